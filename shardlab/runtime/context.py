@@ -1,0 +1,112 @@
+"""What a rank knows about itself: rank, world size, device, default mesh, namespace.
+
+Inside code run by :class:`shardlab.Ranks` (``ranks.run(fn)`` or a ``%%ranks``
+cell), and in a process started by ``torchrun``, :func:`this_rank` returns the
+rank's :class:`RankContext`. It is set up once per process, when the process
+group is created, and lives until the process ends.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["RankContext", "this_rank"]
+
+_CONTEXT: RankContext | None = None  # one per process: this process *is* the rank
+
+
+@dataclass
+class RankContext:
+    """One rank of a pool.
+
+    ``ns`` is the rank's namespace: ``%%ranks`` cells run in it, and values put
+    there by ``ranks.push`` / read by ``ranks.pull`` persist across calls.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: Any  # torch.device
+    mesh: Any  # torch.distributed.device_mesh.DeviceMesh, 1-D over all ranks
+    ns: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return (
+            f"RankContext(rank={self.rank}, world_size={self.world_size}, "
+            f"backend={self.backend!r}, device={self.device})"
+        )
+
+
+def this_rank() -> RankContext:
+    """The context of the rank this code runs on.
+
+    Raises ``RuntimeError`` outside a rank (for example in the notebook kernel
+    that owns a :class:`shardlab.Ranks` pool): run the code with ``ranks.run``
+    or in a ``%%ranks`` cell.
+    """
+    if _CONTEXT is None:
+        raise RuntimeError(
+            "this_rank() is only available on a rank: run the code with ranks.run(fn) "
+            "or in a %%ranks cell, or start the script with torchrun"
+        )
+    return _CONTEXT
+
+
+def init_rank(
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    store: Any = None,
+    local_rank: int | None = None,
+) -> RankContext:
+    """Create the process group and the default 1-D mesh for this process.
+
+    ``store`` is a c10d store (the pool passes a TCPStore client); ``None``
+    uses the ``env://`` rendezvous of torchrun. ``timeout`` (seconds) bounds
+    every collective, also on sub-groups created later (for 2-D meshes).
+    """
+    global _CONTEXT
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    local_rank = rank if local_rank is None else local_rank
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    td = timedelta(seconds=timeout)
+    # sub-groups (DeviceMesh dims of a 2-D mesh) read this default at creation
+    c10d.default_pg_timeout = td
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": td}
+        if store is not None:
+            kwargs.update(store=store, rank=rank, world_size=world_size)
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+    mesh = init_device_mesh(device.type, (world_size,))
+    _CONTEXT = RankContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        backend=backend,
+        device=device,
+        mesh=mesh,
+    )
+    return _CONTEXT
+
+
+def env_rank() -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) when torchrun/srun started this process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank = int(os.environ["RANK"])
+        return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+    return None

@@ -1,0 +1,422 @@
+"""``Ranks``: a persistent pool of N ranks, driven from a notebook kernel or a script.
+
+::
+
+    kernel (you)                 rank 0      rank 1      rank 2      rank 3
+    ranks.run(fn, x) ──pickle──▶ fn(x)       fn(x)       fn(x)       fn(x)
+                                  └──── one process group, one 1-D DeviceMesh ────┘
+    [r0, r1, r2, r3] ◀──────────  results and printed output, in rank order
+
+The workers start once (forkserver with torch preloaded: about a second for 4
+ranks) and keep their process group, mesh and namespace across calls. When the
+process already is one rank of a ``torchrun``/``srun`` job (``RANK`` and
+``WORLD_SIZE`` set), the same API runs ``fn`` in place and all-gathers the
+results, so scripts run unchanged under torchrun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import types
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import cloudpickle
+
+from shardlab.runtime import context
+from shardlab.runtime.errors import RankError
+
+__all__ = ["Ranks"]
+
+BACKENDS = ("gloo", "nccl")
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # live pools, for the %%ranks magic
+
+
+def _start_method(requested: str | None) -> str:
+    available = mp.get_all_start_methods()
+    if requested is None:
+        return "forkserver" if "forkserver" in available else "spawn"
+    if requested not in ("forkserver", "spawn") or requested not in available:
+        supported = [m for m in ("forkserver", "spawn") if m in available]
+        raise ValueError(
+            f"start_method={requested!r} is not supported here; use one of {supported}"
+        )
+    return requested
+
+
+class Ranks:
+    """A pool of ``n`` ranks sharing one process group.
+
+    Args:
+        n: number of ranks (>= 1). Under torchrun, ``None`` or ``WORLD_SIZE``.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        timeout: seconds after which a collective that cannot complete (a rank
+            missing, a mismatched collective) fails; the pool then restarts
+            itself on the next call.
+        grace: seconds to wait for the other ranks once one rank has failed,
+            before stopping them.
+        start_method: ``"forkserver"`` (default where available) or ``"spawn"``.
+        threads: torch intra-op threads per rank (default: cores // n, at least 1).
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        backend: str = "gloo",
+        *,
+        timeout: float = 30.0,
+        grace: float = 2.0,
+        start_method: str | None = None,
+        threads: int | None = None,
+    ):
+        env = context.env_rank()
+        if n is None and env is None:
+            raise TypeError("Ranks() needs the number of ranks, e.g. Ranks(4)")
+        if n is None:
+            n = env[1]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Ranks(n): n must be a positive int (number of ranks), got {n!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"Ranks(backend={backend!r}): supported backends are {list(BACKENDS)}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(
+                f"Ranks(timeout={timeout!r}): timeout must be a positive number of seconds"
+            )
+        self.world_size = n
+        self.backend = backend
+        self.timeout = float(timeout)
+        self.grace = float(grace)
+        self.attached = env is not None
+        self._procs: list = []
+        self._conns: list = []
+        self._lifelines: list = []
+        self._store = None
+        self._broken = False
+        self._closed = False
+        if self.attached:
+            if env[1] != n:
+                raise ValueError(
+                    f"Ranks({n}) inside a job of WORLD_SIZE={env[1]}: "
+                    f"pass Ranks() or Ranks({env[1]})"
+                )
+            self._rank_ctx = context._CONTEXT or context.init_rank(
+                env[0], env[1], backend, self.timeout, local_rank=env[2]
+            )
+            return
+        if backend == "nccl":
+            import torch
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count < n:
+                raise RuntimeError(
+                    f"Ranks({n}, backend='nccl') needs {n} GPUs, found {count}; "
+                    "use backend='gloo' on CPU"
+                )
+        self._method = _start_method(start_method)
+        self.threads = threads or max(1, (os.cpu_count() or 1) // n)
+        self._start()
+        _OPEN.add(self)
+
+    # -- lifecycle ---------------------------------------------------------
+    def _start(self) -> None:
+        self._broken = False
+        ctx = mp.get_context(self._method)
+        if self._method == "forkserver":
+            from multiprocessing import forkserver
+
+            ctx.set_forkserver_preload(["shardlab.runtime.worker"])
+            with _main_hidden():
+                forkserver.ensure_running()  # imports torch there while we import it here
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, use_libuv=True
+        )
+        addr = ("127.0.0.1", self._store.port)
+        with _main_hidden():
+            self._spawn_workers(ctx, addr)
+        replies = self._collect(deadline=time.monotonic() + self.timeout + 30)
+        failed = {r: m for r, m in replies.items() if m[0] != "ready"}
+        if failed:
+            self._kill()
+            raise self._error(replies, restarted=True, note="the ranks could not start")
+        self.pids = [replies[r][2] for r in range(self.world_size)]
+
+    def _spawn_workers(self, ctx, addr) -> None:
+        from shardlab.runtime import worker
+
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            life_r, life_w = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=worker.main,
+                args=(
+                    rank,
+                    self.world_size,
+                    child_end,
+                    life_r,
+                    os.getpid(),
+                    addr,
+                    self.backend,
+                    self.timeout,
+                    self.threads,
+                ),
+                name=f"shardlab-rank-{rank}",
+                daemon=True,
+            )
+            p.start()
+            child_end.close()
+            life_r.close()
+            self._procs.append(p)
+            self._conns.append(parent_end)
+            self._lifelines.append(life_w)
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        for c in self._conns + self._lifelines:
+            c.close()
+        self._procs, self._conns, self._lifelines = [], [], []
+        self._store = None
+
+    def close(self) -> None:
+        """Stop every rank. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        if self.attached:
+            return
+        for c in self._conns:
+            try:
+                c.send(("close",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("attached" if self.attached else "running")
+        return (
+            f"Ranks({self.world_size}, backend={self.backend!r}, {state}, "
+            f"timeout={self.timeout:g}s)"
+        )
+
+    # -- calls -------------------------------------------------------------
+    def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        What ranks print is printed here afterwards, rank by rank, each line
+        prefixed ``[rank i]``. Raises :class:`RankError` if any rank raises.
+        """
+        results, outputs = self._call(fn, args, kwargs)
+        print_outputs(outputs)
+        return results
+
+    def push(self, **values: Any) -> None:
+        """Put the same ``name=value`` pairs into every rank's namespace."""
+        from shardlab.runtime import worker
+
+        self._call(worker.push, (values,), {})
+
+    def pull(self, *names: str) -> list | dict:
+        """Values of ``names`` in every rank's namespace: a list in rank order
+        for one name, a dict ``{name: [per-rank values]}`` for several."""
+        from shardlab.runtime import worker
+
+        results, _ = self._call(worker.pull, (names,), {})
+        if len(names) == 1:
+            return [r[0] for r in results]
+        return {n: [r[i] for r in results] for i, n in enumerate(names)}
+
+    def _call(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[list, list]:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; start a new pool with shardlab.Ranks(...)")
+        if not callable(fn):
+            raise TypeError(f"ranks.run(fn): fn must be callable, got {type(fn).__name__}")
+        try:
+            payload = cloudpickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(
+                f"ranks.run could not send {getattr(fn, '__name__', fn)!r} and its arguments "
+                f"to the ranks (cloudpickle failed: {type(exc).__name__}: {exc}). "
+                "Functions, arguments and captured globals must be picklable; open files, "
+                "locks and generators are not."
+            ) from exc
+        if self.attached:
+            return self._call_attached(payload)
+        if self._broken or not self._procs:
+            self._kill()
+            self._start()
+        for c in self._conns:
+            c.send(("call", payload))
+        replies = self._collect()
+        if any(m[0] != "ok" for m in replies.values()):
+            raise self._error(replies, restarted=self._broken)
+        results = [cloudpickle.loads(replies[r][1]) for r in range(self.world_size)]
+        return results, [replies[r][2] for r in range(self.world_size)]
+
+    def _collect(self, deadline: float | None = None) -> dict[int, tuple]:
+        """Wait for one reply per rank; handle deaths, failures and Ctrl-C."""
+        replies: dict[int, tuple] = {}
+        index = {c: r for r, c in enumerate(self._conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        interrupted = False
+        while len(replies) < self.world_size:
+            now = time.monotonic()
+            failed = any(m[0] == "err" for m in replies.values())
+            if failed or interrupted:
+                deadline = min(deadline or now + self.grace, now + self.grace)
+            pending = [c for c, r in index.items() if r not in replies]
+            waits = pending + [s for s, r in sentinels.items() if r not in replies]
+            try:
+                ready = wait(waits, timeout=None if deadline is None else max(0, deadline - now))
+            except KeyboardInterrupt:
+                interrupted = True
+                for r in range(self.world_size):
+                    if r not in replies and self._procs[r].is_alive():
+                        os.kill(self._procs[r].pid, signal.SIGUSR1)
+                deadline = time.monotonic() + self.grace
+                continue
+            if not ready:  # deadline passed: stop the stragglers
+                for r in range(self.world_size):
+                    if r not in replies:
+                        replies[r] = (
+                            "err",
+                            "Stopped",
+                            "did not finish after another rank failed"
+                            if not interrupted
+                            else "interrupted",
+                            "",
+                            "",
+                            True,
+                        )
+                self._broken = True
+                break
+            for obj in ready:
+                if obj in index:
+                    r = index[obj]
+                    try:
+                        replies[r] = obj.recv()
+                    except (EOFError, OSError):
+                        pass  # the sentinel reports the death
+                elif sentinels.get(obj) not in replies:
+                    r = sentinels[obj]
+                    code = self._procs[r].exitcode
+                    replies[r] = (
+                        "err",
+                        "RankDied",
+                        f"rank {r} died (exit code {code})",
+                        "",
+                        "",
+                        True,
+                    )
+                    self._broken = True
+        for m in replies.values():
+            if m[0] == "err" and m[5]:
+                self._broken = True
+        if interrupted:
+            if self._broken:
+                self._kill()
+            raise KeyboardInterrupt("interrupted; the ranks were stopped" if self._broken else "")
+        if self._broken:
+            self._kill()
+        return replies
+
+    def _error(self, replies: dict, restarted: bool, note: str = "") -> RankError:
+        failures = {r: (m[1], m[2]) for r, m in replies.items() if m[0] == "err"}
+        # report the root cause: a rank that failed for its own reason, not a
+        # collective that broke because another rank failed
+        own = [r for r, m in sorted(replies.items()) if m[0] == "err" and not m[5]]
+        rank = own[0] if own else min(failures)
+        outputs = []
+        for r in range(self.world_size):
+            m = replies.get(r, ("",))
+            outputs.append(m[4] if m[0] == "err" else m[2] if m[0] == "ok" else "")
+        m = replies[rank]
+        print_outputs(outputs)
+        return RankError(rank, m[1], m[2], m[3], failures, restarted=restarted, note=note)
+
+    def _call_attached(self, payload: bytes) -> tuple[list, list]:
+        """torchrun mode: run here, all-gather (ok, result | error) across ranks."""
+        import torch.distributed as dist
+
+        from shardlab.runtime import worker
+
+        fn, args, kwargs = cloudpickle.loads(payload)
+        try:
+            mine = ("ok", fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+
+            mine = (
+                "err",
+                type(exc).__name__,
+                str(exc),
+                traceback.format_exc(),
+                "",
+                worker.is_dist_error(exc),
+            )
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        replies = {r: m for r, m in enumerate(gathered)}
+        if any(m[0] != "ok" for m in replies.values()):
+            failures = {r: (m[1], m[2]) for r, m in replies.items() if m[0] == "err"}
+            rank = min(failures)
+            m = replies[rank]
+            raise RankError(rank, m[1], m[2], m[3], failures)
+        return [m[1] for m in gathered], []
+
+
+@contextlib.contextmanager
+def _main_hidden():
+    """Start workers without re-running the caller's ``__main__`` in them.
+
+    multiprocessing re-imports the main script in every forkserver/spawn child
+    (so an unguarded script would start ranks recursively). The workers only
+    need ``shardlab.runtime.worker.main``; user functions arrive by value via
+    cloudpickle. So the main module is hidden while the processes start.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def print_outputs(outputs: list[str]) -> None:
+    """Print what each rank printed, in rank order, each line prefixed ``[rank i]``."""
+    for r, text in enumerate(outputs):
+        if not text:
+            continue
+        for line in text.rstrip("\n").split("\n"):
+            sys.stdout.write(f"[rank {r}] {line}\n")
+    sys.stdout.flush()

@@ -1,0 +1,217 @@
+"""The rank pool: results, per-rank state, output, errors, recovery (shared pools)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardlab
+from shardlab import RankError, Ranks, this_rank
+
+
+def _rank_and_sum():
+    ctx = this_rank()
+    x = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(x)
+    return ctx.rank, ctx.world_size, x.item(), tuple(ctx.mesh.shape)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_results_in_rank_order(ranks_for, world):
+    got = ranks_for(world).run(_rank_and_sum)
+    total = float(sum(range(world)))
+    assert got == [(r, world, total, (world,)) for r in range(world)]
+
+
+def test_args_kwargs_and_closures(ranks_for):
+    offset = 10  # captured by value from this frame, as in a notebook
+    fn = lambda a, *, b: this_rank().rank * a + b + offset
+    assert ranks_for(3).run(fn, 2, b=1) == [11, 13, 15]
+
+
+def test_namespace_persists_across_calls(ranks_for):
+    ranks = ranks_for(2)
+    ranks.push(step=5)
+
+    def bump():
+        ns = this_rank().ns
+        ns["step"] += this_rank().rank + 1
+        return ns["step"]
+
+    assert ranks.run(bump) == [6, 7]
+    assert ranks.run(bump) == [7, 9]
+    assert ranks.pull("step") == [7, 9]
+    ranks.push(a=1, b=2)
+    assert ranks.pull("a", "b") == {"a": [1, 1], "b": [2, 2]}
+
+
+def test_output_printed_in_rank_order_with_prefix(ranks_for, capsys):
+    def talk():
+        r = this_rank().rank
+        time.sleep(0.05 * (3 - r))  # rank 3 finishes first
+        print(f"hello from {r}")
+        print("second line")
+
+    ranks_for(4).run(talk)
+    out = capsys.readouterr().out.splitlines()
+    want = []
+    for r in range(4):
+        want += [f"[rank {r}] hello from {r}", f"[rank {r}] second line"]
+    assert out == want
+
+
+def test_exception_on_one_rank_names_it_and_keeps_state(ranks_for):
+    ranks = ranks_for(3)
+    ranks.push(keep="me")
+
+    def fail_on_1():
+        if this_rank().rank == 1:
+            raise ValueError("bad value on purpose")
+        return "fine"
+
+    with pytest.raises(RankError) as info:
+        ranks.run(fail_on_1)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert "bad value on purpose" in str(err) and "fail_on_1" in err.remote_traceback
+    assert not err.restarted
+    # no collective was involved: the pool and its state survive
+    assert ranks.pull("keep") == ["me", "me", "me"]
+
+
+def test_failure_while_others_wait_in_collective(ranks_for):
+    ranks = ranks_for(3)
+    pids = list(ranks.pids)
+
+    def fail_then_collective():
+        if this_rank().rank == 2:
+            raise ZeroDivisionError("rank 2 fails before the all-reduce")
+        x = torch.ones(1)
+        dist.all_reduce(x)  # ranks 0, 1 would wait for rank 2 until the timeout
+        return x.item()
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        ranks.run(fail_then_collective)
+    elapsed = time.monotonic() - t0
+    assert info.value.rank == 2 and info.value.exc_type == "ZeroDivisionError"
+    assert info.value.restarted
+    assert elapsed < ranks.timeout  # the grace period, not the collective timeout
+    # the pool rebuilds itself on the next call
+    assert [r[2] for r in ranks.run(_rank_and_sum)] == [3.0] * 3
+    assert set(ranks.pids).isdisjoint(pids)
+
+
+def test_mismatched_collective_times_out_and_recovers(ranks_for):
+    ranks = ranks_for(2)
+
+    def only_rank_0_reduces():
+        if this_rank().rank == 0:
+            x = torch.ones(1)
+            dist.all_reduce(x)  # rank 1 never joins
+        return "done"
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        ranks.run(only_rank_0_reduces)
+    elapsed = time.monotonic() - t0
+    assert info.value.rank == 0 and info.value.restarted
+    assert elapsed < ranks.timeout + 10
+    assert ranks.run(lambda: this_rank().rank) == [0, 1]
+
+
+def test_dead_rank_detected_and_recovers(ranks_for):
+    ranks = ranks_for(2)
+
+    def die_on_1():
+        if this_rank().rank == 1:
+            os._exit(7)
+        return "alive"
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        ranks.run(die_on_1)
+    assert time.monotonic() - t0 < 10
+    assert info.value.rank == 1 and info.value.exc_type == "RankDied"
+    assert "exit code 7" in str(info.value)
+    assert ranks.run(lambda: this_rank().rank) == [0, 1]
+
+
+def test_unpicklable_function_is_a_clear_error(ranks_for):
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="picklable"):
+        ranks_for(2).run(lambda: lock.locked())
+    with pytest.raises(TypeError, match="callable"):
+        ranks_for(2).run(42)
+    assert ranks_for(2).run(lambda: 1) == [1, 1]
+
+
+def test_attach_mode_inside_a_rank(ranks_for):
+    """On a rank (RANK, WORLD_SIZE set, as under torchrun) Ranks() runs in place."""
+
+    def inner():
+        with Ranks() as here:
+            assert here.attached
+            return here.run(lambda: this_rank().rank * 10)
+
+    assert ranks_for(3).run(inner) == [[0, 10, 20]] * 3
+
+    def inner_error():
+        here = Ranks()
+        return here.run(lambda: 1 / (this_rank().rank - 1))
+
+    with pytest.raises(RankError) as info:
+        ranks_for(3).run(inner_error)
+    assert "ZeroDivisionError" in str(info.value)
+
+
+def _children():
+    import multiprocessing
+
+    return {p.pid for p in multiprocessing.active_children()}
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(n=0), ValueError, "positive int"),
+        (dict(n=-2), ValueError, "positive int"),
+        (dict(n="2"), ValueError, "positive int"),
+        (dict(n=2.0), ValueError, "positive int"),
+        (dict(n=2, backend="mpi"), ValueError, "supported backends"),
+        (dict(n=2, timeout=0), ValueError, "timeout"),
+        (dict(n=2, start_method="fork"), ValueError, "start_method"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, match):
+    before = _children()
+    with pytest.raises(exc, match=match):
+        Ranks(**kwargs)
+    assert _children() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with GPUs")
+def test_nccl_without_gpus_is_a_clear_error():
+    before = _children()
+    with pytest.raises(RuntimeError, match="GPUs"):
+        Ranks(2, backend="nccl")
+    assert _children() == before
+
+
+def test_closed_pool_refuses_calls():
+    with Ranks(1) as ranks:
+        assert ranks.run(lambda: "x") == ["x"]
+        assert "running" in repr(ranks)
+    assert "closed" in repr(ranks)
+    with pytest.raises(RuntimeError, match="closed"):
+        ranks.run(lambda: 1)
+    ranks.close()  # twice is fine
+
+
+def test_this_rank_outside_a_rank():
+    with pytest.raises(RuntimeError, match="only available on a rank"):
+        shardlab.this_rank()
