@@ -8,6 +8,7 @@ group is created, and lives until the process ends.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -92,6 +93,8 @@ def init_rank(
         if backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
+        # gloo aborts the process at exit if its group is still alive
+        atexit.register(_destroy_group)
     mesh = init_device_mesh(device.type, (world_size,))
     _CONTEXT = RankContext(
         rank=rank,
@@ -102,6 +105,17 @@ def init_rank(
         mesh=mesh,
     )
     return _CONTEXT
+
+
+def _destroy_group() -> None:
+    """At exit: leave together, then destroy the group (else gloo may abort)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def env_rank() -> tuple[int, int, int] | None:

@@ -1,0 +1,175 @@
+"""The runtime as a process tree: no orphans, Ctrl-C, torchrun, the magic in a kernel.
+
+These tests need a parent process they can kill or interrupt, so each starts
+one small script (the only place the suite starts processes outside the
+shared pools).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # zombies are dead
+    except FileNotFoundError:
+        return False
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _start(path, **kw):
+    return subprocess.Popen(
+        [sys.executable, "-u", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, **kw,
+    )
+
+
+def _readline(proc, timeout=60.0) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        proc.kill()
+        raise AssertionError("the script printed nothing in time")
+    return proc.stdout.readline().strip()
+
+
+def _wait_dead(pids, seconds=10.0) -> list:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("state", ["idle", "busy"])
+def test_no_orphans_when_parent_is_killed(tmp_path, state):
+    path = _script(tmp_path, f"""
+        import time, shardlab
+        ranks = shardlab.Ranks(2)
+        print(" ".join(map(str, ranks.pids)), flush=True)
+        if "{state}" == "busy":
+            ranks.run(time.sleep, 120)
+        else:
+            time.sleep(120)
+    """)
+    proc = _start(path)
+    pids = [int(p) for p in _readline(proc).split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _wait_dead(pids) == [], "rank processes outlived their parent"
+
+
+def test_sigint_to_process_group_spares_idle_ranks_and_interrupts_busy_ones(tmp_path):
+    path = _script(tmp_path, """
+        import sys, time, shardlab
+        ranks = shardlab.Ranks(2)
+        pids = list(ranks.pids)
+        print("ready", flush=True)
+        try:
+            sys.stdin.readline()                  # idle: Jupyter's interrupt arrives here
+        except KeyboardInterrupt:
+            print("kernel interrupted", flush=True)
+        print("same pids" if ranks.pids == pids else "restarted", flush=True)
+        print(ranks.run(lambda: shardlab.this_rank().rank), flush=True)
+        print("busy", flush=True)
+        try:
+            ranks.run(time.sleep, 60)             # busy: the interrupt reaches the user code
+        except KeyboardInterrupt:
+            print("run interrupted", flush=True)
+        print("same pids" if ranks.pids == pids else "restarted", flush=True)
+        print(ranks.run(lambda: shardlab.this_rank().rank), flush=True)
+        ranks.close()
+    """)
+    proc = _start(path, start_new_session=True)  # its own process group, like a kernel
+    assert _readline(proc) == "ready"
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert _readline(proc) == "kernel interrupted"
+    assert _readline(proc) == "same pids"
+    assert _readline(proc) == "[0, 1]"
+    assert _readline(proc) == "busy"
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    assert _readline(proc) == "run interrupted"
+    assert time.monotonic() - t0 < 5
+    assert _readline(proc) == "same pids"
+    assert _readline(proc) == "[0, 1]"
+    assert proc.wait(timeout=30) == 0
+
+
+def test_same_script_under_torchrun(tmp_path):
+    path = _script(tmp_path, """
+        import torch, torch.distributed as dist, shardlab
+
+        def body():
+            x = torch.tensor([shardlab.this_rank().rank + 1.0])
+            dist.all_reduce(x)
+            return x.item()
+
+        with shardlab.Ranks(2) as ranks:
+            res = ranks.run(body)
+            print(f"rank {shardlab.this_rank().rank}: {res} attached={ranks.attached}")
+    """)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", path],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0: [3.0, 3.0] attached=True", "rank 1: [3.0, 3.0] attached=True"]
+
+
+def test_magic_in_a_real_kernel():
+    jupyter_client = pytest.importorskip("jupyter_client")
+    km, kc = jupyter_client.manager.start_new_kernel(kernel_name="python3")
+    try:
+        def run(code):
+            reply_outputs = []
+
+            def hook(msg):
+                if msg["msg_type"] == "stream":
+                    reply_outputs.append(msg["content"]["text"])
+                elif msg["msg_type"] == "error":
+                    reply_outputs.append("ERROR " + msg["content"]["ename"] + ": "
+                                         + msg["content"]["evalue"])
+
+            kc.execute_interactive(code, timeout=120, output_hook=hook)
+            return "".join(reply_outputs)
+
+        assert run("%load_ext shardlab\nimport shardlab\nranks = shardlab.Ranks(3)") == ""
+        out = run("%%ranks --pull x\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)\n"
+                  "print('sum', x.item())\nrank * 2")
+        assert out.splitlines() == [
+            "[rank 0] sum 6.0", "[rank 0] 0",
+            "[rank 1] sum 6.0", "[rank 1] 2",
+            "[rank 2] sum 6.0", "[rank 2] 4",
+        ]
+        assert run("print([float(v) for v in x])") == "[6.0, 6.0, 6.0]\n"
+        # state persists across cells; errors name the rank
+        out = run("%%ranks\nif rank == 1:\n    raise KeyError('only here')\n")
+        assert "ERROR RankError: rank 1 raised KeyError" in out
+        assert run("%%ranks ranks\nprint(float(x))").splitlines() == [
+            f"[rank {r}] 6.0" for r in range(3)]
+        assert "ERROR" in run("%%ranks nosuchpool\n1")
+        pids = run("print(' '.join(map(str, ranks.pids)))").split()
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert _wait_dead([int(p) for p in pids]) == []
