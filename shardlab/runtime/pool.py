@@ -36,6 +36,7 @@ from shardlab.runtime.errors import RankError
 __all__ = ["Ranks"]
 
 BACKENDS = ("gloo", "nccl")
+_POLL = 0.1  # seconds between checks for signals while waiting for the ranks
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # live pools, for the %%ranks magic
 
 
@@ -274,8 +275,12 @@ class Ranks:
         if self._broken or not self._procs:
             self._kill()
             self._start()
-        for c in self._conns:
-            c.send(("call", payload))
+        try:
+            for c in self._conns:
+                c.send(("call", payload))
+        except KeyboardInterrupt:
+            self._kill()  # some ranks got the call, others not: start afresh
+            raise
         replies = self._collect()
         if any(m[0] != "ok" for m in replies.values()):
             raise self._error(replies, restarted=self._broken)
@@ -295,8 +300,13 @@ class Ranks:
                 deadline = min(deadline or now + self.grace, now + self.grace)
             pending = [c for c, r in index.items() if r not in replies]
             waits = pending + [s for s, r in sentinels.items() if r not in replies]
+            # short waits: a signal that the kernel delivered to another thread
+            # (gloo, the store) is only acted on when this thread runs Python
+            step = _POLL if deadline is None else max(0.0, min(_POLL, deadline - now))
             try:
-                ready = wait(waits, timeout=None if deadline is None else max(0, deadline - now))
+                ready = wait(waits, timeout=step)
+                if not ready and (deadline is None or time.monotonic() < deadline):
+                    continue
             except KeyboardInterrupt:
                 interrupted = True
                 for r in range(self.world_size):

@@ -1,0 +1,41 @@
+"""Pure layout arithmetic: shard sizes, redistribution boxes and halo plans (no process group).
+
+* :mod:`.shards`        uneven shard sizes on 1-D / 2-D meshes (:class:`ShardLayout`)
+* :mod:`.redistribute`  which global boxes move when a layout changes
+* :mod:`.conv`          halo plans for a sliding-window op along one sharded dim
+* :mod:`.conv_nd`       the same on several sharded dims (product of 1-D plans)
+"""
+
+from .conv import (
+    OVERHANG,
+    PAD,
+    ConvPlan,
+    Rows,
+    conv_out_length,
+    conv_plan,
+    same_padding,
+)
+from .conv_nd import Block, ConvPlanND, conv_plan_nd
+from .redistribute import Move, moved_elements, redistribute_plan
+from .shards import ShardLayout, chunk_sizes, format_sizes, offsets, owner_of
+
+__all__ = [
+    "OVERHANG",
+    "PAD",
+    "Block",
+    "ConvPlan",
+    "ConvPlanND",
+    "Move",
+    "Rows",
+    "ShardLayout",
+    "chunk_sizes",
+    "conv_out_length",
+    "conv_plan",
+    "conv_plan_nd",
+    "format_sizes",
+    "moved_elements",
+    "offsets",
+    "owner_of",
+    "redistribute_plan",
+    "same_padding",
+]
