@@ -17,6 +17,7 @@ results, so scripts run unchanged under torchrun.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import multiprocessing as mp
 import os
 import signal
@@ -38,6 +39,12 @@ __all__ = ["Ranks"]
 BACKENDS = ("gloo", "nccl")
 _POLL = 0.1  # seconds between checks for signals while waiting for the ranks
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # live pools, for the %%ranks magic
+# Scoped wrappers around every call (``shardlab.trace`` installs one for the
+# duration of its block): ``hook.wrap(fn, args, kwargs)`` before sending,
+# ``hook.unwrap(results)`` on the results in rank order.
+CALL_HOOKS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "shardlab_call_hooks", default=()
+)
 
 
 def _start_method(requested: str | None) -> str:
@@ -261,6 +268,9 @@ class Ranks:
             raise RuntimeError(f"{self!r} is closed; start a new pool with shardlab.Ranks(...)")
         if not callable(fn):
             raise TypeError(f"ranks.run(fn): fn must be callable, got {type(fn).__name__}")
+        hooks = CALL_HOOKS.get()
+        for hook in hooks:
+            fn, args, kwargs = hook.wrap(fn, args, kwargs)
         try:
             payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as exc:
@@ -271,7 +281,14 @@ class Ranks:
                 "locks and generators are not."
             ) from exc
         if self.attached:
-            return self._call_attached(payload)
+            results, outputs = self._call_attached(payload)
+        else:
+            results, outputs = self._call_pool(payload)
+        for hook in reversed(hooks):
+            results = hook.unwrap(results)
+        return results, outputs
+
+    def _call_pool(self, payload: bytes) -> tuple[list, list]:
         if self._broken or not self._procs:
             self._kill()
             self._start()
@@ -394,7 +411,10 @@ class Ranks:
                 worker.is_dist_error(exc),
             )
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the runtime's own gather is not the user's traffic
+            dist.all_gather_object(gathered, mine)
         replies = {r: m for r, m in enumerate(gathered)}
         if any(m[0] != "ok" for m in replies.values()):
             failures = {r: (m[1], m[2]) for r, m in replies.items() if m[0] == "err"}

@@ -1,0 +1,150 @@
+"""What a trace holds: one :class:`Event` per message, and views of them.
+
+Recording (``record.py``) and viewing (here, and ``shardlab.viz``) are apart:
+a :class:`Trace` is plain data that can be pickled, saved as JSON and drawn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Event", "Trace", "COLLECTIVES", "POINT_TO_POINT"]
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "scatter",
+    "gather",
+    "reduce",
+    "barrier",
+)
+POINT_TO_POINT = ("send", "recv")
+
+
+@dataclass
+class Event:
+    """One collective or point-to-point message, as seen by one rank.
+
+    ``bytes`` is this rank's payload: the input it hands to a collective
+    (for ``all_gather`` its own shard, for ``reduce_scatter`` its whole input),
+    the tensor it sends (``send``) or receives (``recv``). ``group`` lists the
+    global ranks of the process group, ``peer`` is the global rank on the other
+    end of a send/recv (the root of a broadcast/scatter/gather/reduce).
+    ``label`` names the shardlab op and phase that caused it (``"conv2d.halo
+    forward"``), ``api`` is ``"c10d"`` (torch.distributed) or ``"functional"``.
+    ``duration`` is the time of the call in seconds (for an asynchronous op,
+    the time to issue it).
+    """
+
+    rank: int
+    seq: int
+    kind: str
+    op: str
+    group: tuple[int, ...]
+    peer: int | None
+    bytes: int
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    label: str = ""
+    mesh_dim: int | None = None
+    api: str = "c10d"
+    start: float = 0.0
+    duration: float = 0.0
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.kind in POINT_TO_POINT
+
+
+@dataclass
+class Trace:
+    """Events of one ``with shardlab.trace() as t:`` block, from every rank traced."""
+
+    events: list[Event] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events})
+
+    def filter(self, *, rank=None, kind=None, label=None, peer=None) -> Trace:
+        """A sub-trace. ``kind`` may be a name or a tuple of names; ``label``
+        matches as a prefix (``"conv2d"`` matches ``"conv2d.halo forward"``)."""
+        kinds = (kind,) if isinstance(kind, str) else kind
+        out = [
+            e
+            for e in self.events
+            if (rank is None or e.rank == rank)
+            and (kinds is None or e.kind in kinds)
+            and (label is None or e.label.startswith(label))
+            and (peer is None or e.peer == peer)
+        ]
+        return Trace(out)
+
+    def counts(self, by: str = "kind", **where) -> dict:
+        """How many events, grouped ``by`` an Event field (default: kind).
+
+        Each rank's events count, so one all-reduce on 4 ranks counts 4; use
+        ``rank=0`` to count what one rank did."""
+        return dict(Counter(getattr(e, by) for e in self.filter(**where).events))
+
+    def bytes(self, rank: int | None = None, **where) -> int:
+        """Total payload bytes of the events matching ``rank`` and ``where``."""
+        return sum(e.bytes for e in self.filter(rank=rank, **where).events)
+
+    def table(self, **where) -> str:
+        """A text table, one row per event, ordered by rank then sequence."""
+        rows = sorted(self.filter(**where).events, key=lambda e: (e.rank, e.seq))
+        head = ("rank", "#", "kind", "group", "peer", "bytes", "dtype", "shape", "label", "ms")
+        body = [
+            (
+                str(e.rank),
+                str(e.seq),
+                e.kind,
+                _ranks_str(e.group),
+                "" if e.peer is None else str(e.peer),
+                str(e.bytes),
+                e.dtype,
+                " ".join("x".join(map(str, s)) or "()" for s in e.shapes),
+                e.label,
+                f"{e.duration * 1e3:.2f}",
+            )
+            for e in rows
+        ]
+        widths = [
+            max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)
+        ]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(e) for e in self.events])
+
+    @classmethod
+    def from_json(cls, text: str) -> Trace:
+        events = []
+        for d in json.loads(text):
+            d["group"] = tuple(d["group"])
+            d["shapes"] = tuple(tuple(s) for s in d["shapes"])
+            events.append(Event(**d))
+        return cls(events)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.counts().items()))
+        return f"Trace({len(self.events)} events on ranks {self.ranks()}: {counts})"
+
+
+def _ranks_str(group: tuple[int, ...]) -> str:
+    if group and list(group) == list(range(group[0], group[0] + len(group))):
+        return f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0])
+    return ",".join(map(str, group))

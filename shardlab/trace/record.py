@@ -1,0 +1,231 @@
+"""Recording: ``with shardlab.trace() as t:`` and ``with shardlab.trace.label(...)``.
+
+Every message between ranks passes through the torch dispatcher as a c10d op
+(``c10d.allreduce_``, ``c10d.send`` …, what ``torch.distributed`` calls) or a
+functional collective (``_c10d_functional.all_gather_into_tensor`` …, what
+DTensor calls). A ``TorchDispatchMode`` sees them all, including send/recv and
+``batch_isend_irecv``. When no trace is active, nothing is installed: tracing
+costs nothing.
+
+Where the trace is opened decides what it records:
+
+* on a rank (code run by ``ranks.run``, a ``%%ranks`` cell, a torchrun script):
+  that rank's own events;
+* in the kernel that owns a :class:`shardlab.Ranks` pool: every ``ranks.run``
+  inside the block is traced on every rank, and the events come back here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from shardlab.runtime import pool as _pool
+from shardlab.trace.events import Event, Trace
+
+__all__ = ["trace", "label", "current_label"]
+
+_LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("shardlab_trace_label", default="")
+
+# op name -> (event kind, name of the payload argument, name of the peer argument)
+_C10D = {
+    "allreduce_": ("all_reduce", "tensors", None),
+    "allreduce_coalesced_": ("all_reduce", "tensors", None),
+    "allgather_": ("all_gather", "input_tensors", None),
+    "_allgather_base_": ("all_gather", "input_tensor", None),
+    "allgather_coalesced_": ("all_gather", "input_list", None),
+    "allgather_into_tensor_coalesced_": ("all_gather", "inputs", None),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors", None),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor", None),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs", None),
+    "alltoall_": ("all_to_all", "input_tensors", None),
+    "alltoall_base_": ("all_to_all", "input", None),
+    "broadcast_": ("broadcast", "tensors", "root_rank"),
+    "scatter_": ("scatter", "input_tensors", "root_rank"),
+    "gather_": ("gather", "input_tensors", "root_rank"),
+    "reduce_": ("reduce", "tensors", "root_rank"),
+    "send": ("send", "tensors", "dst"),
+    "recv_": ("recv", "tensors", "src"),
+    "recv_any_source_": ("recv", "tensors", None),
+    "barrier": ("barrier", None, None),
+    "monitored_barrier_": ("barrier", None, None),
+}
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", "input", None),
+    "all_reduce_": ("all_reduce", "input", None),
+    "all_reduce_coalesced": ("all_reduce", "inputs", None),
+    "all_gather_into_tensor": ("all_gather", "input", None),
+    "all_gather_into_tensor_out": ("all_gather", "input", None),
+    "all_gather_into_tensor_coalesced": ("all_gather", "inputs", None),
+    "reduce_scatter_tensor": ("reduce_scatter", "input", None),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs", None),
+    "all_to_all_single": ("all_to_all", "input", None),
+    "broadcast": ("broadcast", "input", "src"),
+    "broadcast_": ("broadcast", "input", "src"),
+    "isend": ("send", "tensor", "dst"),
+    "irecv": ("recv", "tensor", "src"),
+}
+
+
+@contextlib.contextmanager
+def label(name: str, phase: str | None = None):
+    """Name the cause of the messages sent inside the block.
+
+    ``with label("conv2d.halo", "forward"):`` tags events ``"conv2d.halo forward"``.
+    """
+    token = _LABEL.set(f"{name} {phase}" if phase else name)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
+def current_label() -> str:
+    return _LABEL.get()
+
+
+def _group_ranks(pg) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    if isinstance(pg, str):  # functional collectives name their group
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(pg)
+    elif not isinstance(pg, dist.ProcessGroup):  # c10d ops get a boxed TorchScript object
+        pg = dist.ProcessGroup.unbox(pg)
+    return tuple(dist.get_process_group_ranks(pg)), pg
+
+
+class _Recorder(TorchDispatchMode):
+    """Appends one :class:`Event` per communication op to ``self.events``."""
+
+    def __init__(self, rank: int, mesh=None):
+        super().__init__()
+        self.rank = rank
+        self.events: list[Event] = []
+        self.mesh_groups: list[tuple[int, ...]] = []
+        if mesh is not None:
+            for d in range(mesh.ndim):
+                import torch.distributed as dist
+
+                self.mesh_groups.append(tuple(dist.get_process_group_ranks(mesh.get_group(d))))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
+            return NotImplemented  # let DTensor desugar into plain ops and collectives first
+        ns = func.namespace
+        table = (
+            _C10D if ns == "c10d" else _FUNCTIONAL if ns.startswith("_c10d_functional") else None
+        )
+        spec = table.get(func._schema.name.split("::")[-1]) if table is not None else None
+        if spec is None:
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        duration = time.perf_counter() - start
+        self._record(
+            func, spec, args, kwargs, start, duration, "c10d" if ns == "c10d" else "functional"
+        )
+        return out
+
+    def _record(self, func, spec, args, kwargs, start, duration, api) -> None:
+        import torch.distributed as dist
+
+        kind, payload_name, peer_name = spec
+        bound = {a.name: v for a, v in zip(func._schema.arguments, args)}
+        bound.update(kwargs)
+        pg = bound.get("process_group", bound.get("group_name"))
+        group, pg = _group_ranks(pg)
+        tensors = [t for t in tree_leaves(bound.get(payload_name)) if isinstance(t, torch.Tensor)]
+        peer = bound.get(peer_name) if peer_name else None
+        if peer is not None and peer >= 0:
+            peer = dist.get_global_rank(pg, peer)
+        mesh_dim = next((d for d, g in enumerate(self.mesh_groups) if g == group), None)
+        self.events.append(
+            Event(
+                rank=self.rank,
+                seq=len(self.events),
+                kind=kind,
+                op=f"{func.namespace}.{func._schema.name.split('::')[-1]}",
+                group=group,
+                peer=peer,
+                bytes=sum(t.numel() * t.element_size() for t in tensors),
+                dtype=str(tensors[0].dtype).replace("torch.", "") if tensors else "",
+                shapes=tuple(tuple(t.shape) for t in tensors),
+                label=_LABEL.get(),
+                mesh_dim=mesh_dim,
+                api=api,
+                start=start,
+                duration=duration,
+            )
+        )
+
+
+def _default_mesh():
+    from shardlab.runtime import context
+
+    return context._CONTEXT.mesh if context._CONTEXT is not None else None
+
+
+def _traced_call(fn, args, kwargs, mesh):
+    """On a rank: run ``fn`` under a trace; return its result and the events."""
+    with trace(mesh=mesh) as t:
+        result = fn(*args, **kwargs)
+    return result, t.events
+
+
+class _KernelHook:
+    """Installed in the kernel: wraps every ``ranks._call`` in :func:`_traced_call`."""
+
+    def __init__(self, t: Trace, mesh):
+        self.trace = t
+        self.mesh = mesh
+
+    def wrap(self, fn, args, kwargs):
+        return _traced_call, (fn, args, kwargs, self.mesh), {}
+
+    def unwrap(self, results: list) -> list:
+        for _, events in results:
+            done = sum(e.rank == events[0].rank for e in self.trace.events) if events else 0
+            for e in events:
+                e.seq += done  # one sequence per rank across the calls of the block
+            self.trace.events.extend(events)
+        return [r for r, _ in results]
+
+
+@contextlib.contextmanager
+def trace(mesh: Any = None):
+    """Record every collective and point-to-point message inside the block.
+
+    Args:
+        mesh: a DeviceMesh whose dims name the process groups (``Event.mesh_dim``);
+            by default the rank's 1-D mesh.
+
+    Yields a :class:`Trace`, filled when the block exits (on a rank, also
+    while it runs).
+    """
+    import torch.distributed as dist
+
+    t = Trace()
+    if dist.is_available() and dist.is_initialized():
+        mesh = mesh if mesh is not None else _default_mesh()
+        rec = _Recorder(dist.get_rank(), mesh)
+        t.events = rec.events
+        with rec:
+            yield t
+        return
+    hook = _KernelHook(t, mesh)
+    token = _pool.CALL_HOOKS.set(_pool.CALL_HOOKS.get() + (hook,))
+    try:
+        yield t
+    finally:
+        _pool.CALL_HOOKS.reset(token)

@@ -1,0 +1,206 @@
+"""The tracer records the exact events of known programs, on every rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardlab
+from shardlab import this_rank
+from shardlab.trace import Trace, label
+
+
+def _no_modes() -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return len(_get_current_dispatch_mode_stack()) == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_reduce_event(ranks_for, world):
+    def body():
+        assert _no_modes()
+        x = torch.ones(4)
+        with shardlab.trace() as t:
+            dist.all_reduce(x)
+        assert _no_modes()  # nothing stays installed
+        return t.events
+
+    for rank, events in enumerate(ranks_for(world).run(body)):
+        assert len(events) == 1
+        e = events[0]
+        assert (e.rank, e.kind, e.op, e.bytes, e.dtype, e.shapes) == (
+            rank,
+            "all_reduce",
+            "c10d.allreduce_",
+            16,
+            "float32",
+            ((4,),),
+        )
+        assert e.group == tuple(range(world)) and e.peer is None
+        assert e.mesh_dim == 0 and e.api == "c10d" and e.duration >= 0
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_point_to_point_ring(ranks_for, world):
+    """send/recv, isend/irecv and batch_isend_irecv: peers and bytes per message."""
+
+    def body():
+        me, n = this_rank().rank, this_rank().world_size
+        right, left = (me + 1) % n, (me - 1) % n
+        a = torch.arange(3, dtype=torch.float64) + me
+        got = torch.empty(3, dtype=torch.float64)
+        with shardlab.trace() as t:
+            with label("ring", "blocking"):
+                if me % 2 == 0:
+                    dist.send(a, right)
+                    dist.recv(got, left)
+                else:
+                    dist.recv(got, left)
+                    dist.send(a, right)
+            with label("ring", "async"):
+                reqs = [dist.isend(a[:2].contiguous(), right), dist.irecv(got[:2], left)]
+                for r in reqs:
+                    r.wait()
+            with label("ring", "batch"):
+                ops = [dist.P2POp(dist.isend, a, right), dist.P2POp(dist.irecv, got, left)]
+                for r in dist.batch_isend_irecv(ops):
+                    r.wait()
+        return [(e.kind, e.peer, e.bytes, e.label) for e in t.events]
+
+    for me, events in enumerate(ranks_for(world).run(body)):
+        right, left = (me + 1) % world, (me - 1) % world
+        blocking = [("send", right, 24, "ring blocking"), ("recv", left, 24, "ring blocking")]
+        if me % 2:
+            blocking.reverse()
+        assert events == blocking + [
+            ("send", right, 16, "ring async"),
+            ("recv", left, 16, "ring async"),
+            ("send", right, 24, "ring batch"),
+            ("recv", left, 24, "ring batch"),
+        ]
+
+
+def test_every_collective_kind(ranks_for):
+    world = 3
+
+    def body():
+        me = this_rank().rank
+        x = torch.ones(6)
+        with shardlab.trace() as t:
+            dist.broadcast(x, src=1)
+            outs = [torch.empty(6) for _ in range(world)]
+            dist.all_gather(outs, x)
+            big = torch.empty(6 * world)
+            dist.all_gather_into_tensor(big, x)
+            part = torch.empty(2)
+            dist.reduce_scatter_tensor(part, x)
+            dist.reduce(x, dst=2)
+            dist.gather(x, [torch.empty(6) for _ in range(world)] if me == 0 else None, dst=0)
+            dist.scatter(part, [torch.ones(2)] * world if me == 0 else None, src=0)
+            dist.barrier()
+        return [(e.kind, e.peer, e.bytes) for e in t.events]
+
+    for me, events in enumerate(ranks_for(world).run(body)):
+        assert events == [
+            ("broadcast", 1, 24),
+            ("all_gather", None, 24),
+            ("all_gather", None, 24),
+            ("reduce_scatter", None, 24),
+            ("reduce", 2, 24),
+            ("gather", 0, 24),
+            ("scatter", 0, 24 if me == 0 else 0),
+            ("barrier", None, 0),
+        ]
+
+
+def test_functional_collectives_and_dtensor(ranks_for):
+    """DTensor's collectives (functional API) are recorded, with the cause labelled."""
+
+    def body():
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = this_rank().mesh
+        with shardlab.trace() as t:
+            y = funcol.all_reduce(torch.ones(5), "sum", mesh)
+            float(y.sum())
+            dt = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+            with label("demo.gather", "forward"):
+                full = dt.redistribute(mesh, [Replicate()]).to_local()
+        assert torch.equal(full, torch.arange(8.0).reshape(4, 2))
+        return [(e.kind, e.api, e.bytes, e.label) for e in t.events]
+
+    events = ranks_for(2).run(body)
+    for ev in events:
+        # distribute_tensor's own scatter of the source, then the labelled all-gather
+        assert ev[0] == ("all_reduce", "functional", 20, "")
+        assert ev[-1] == ("all_gather", "functional", 16, "demo.gather forward")
+
+
+def test_two_d_mesh_dims(ranks_for):
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+        with shardlab.trace(mesh=mesh) as t:
+            dist.all_reduce(torch.ones(1), group=mesh.get_group("sp"))
+            dist.all_reduce(torch.ones(2), group=mesh.get_group("dp"))
+        return [(e.mesh_dim, e.group, e.bytes) for e in t.events]
+
+    got = ranks_for(4).run(body)
+    # rank r is at mesh coordinate (r // 2, r % 2)
+    for r, events in enumerate(got):
+        row = (2 * (r // 2), 2 * (r // 2) + 1)
+        col = (r % 2, r % 2 + 2)
+        assert events == [(1, row, 4), (0, col, 8)]
+
+
+def test_kernel_trace_gathers_all_ranks(ranks_for):
+    ranks = ranks_for(3)
+
+    def step(n):
+        x = torch.ones(n)
+        dist.all_reduce(x)
+        if this_rank().rank == 0:
+            dist.send(x, 1)
+        elif this_rank().rank == 1:
+            dist.recv(x, 0)
+        return float(x[0])
+
+    with shardlab.trace() as t:
+        assert ranks.run(step, 2) == [3.0, 3.0, 3.0]
+        assert ranks.run(step, 4) == [3.0, 3.0, 3.0]
+    assert ranks.run(step, 1) == [3.0, 3.0, 3.0]  # after the block: not traced
+    assert t.ranks() == [0, 1, 2]
+    assert t.counts() == {"all_reduce": 6, "send": 2, "recv": 2}
+    assert t.counts(rank=0) == {"all_reduce": 2, "send": 2}
+    assert t.bytes(rank=0) == (8 + 8) + (16 + 16)
+    assert t.bytes(rank=2) == 8 + 16
+    assert [e.seq for e in t.filter(rank=1).events] == [0, 1, 2, 3]
+    assert Trace.from_json(t.to_json()).events == t.events
+    table = t.table(rank=1)
+    assert table.splitlines()[0].split()[:4] == ["rank", "#", "kind", "group"]
+    assert "recv" in table and "0-2" in table
+    assert "all_reduce=6" in repr(t)
+
+
+def test_kernel_trace_resets_on_error(ranks_for):
+    from shardlab.runtime.pool import CALL_HOOKS
+
+    with pytest.raises(ZeroDivisionError):
+        with shardlab.trace():
+            raise ZeroDivisionError
+    assert CALL_HOOKS.get() == ()
+    assert ranks_for(2).run(_no_modes) == [True, True]
+
+
+def test_label_is_scoped():
+    from shardlab.trace import current_label
+
+    assert current_label() == ""
+    with label("conv2d.halo", "backward"):
+        assert current_label() == "conv2d.halo backward"
+        with label("inner"):
+            assert current_label() == "inner"
+        assert current_label() == "conv2d.halo backward"
+    assert current_label() == ""
