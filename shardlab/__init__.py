@@ -10,14 +10,31 @@ from shardlab.runtime import RankContext, RankError, Ranks, this_rank
 
 __version__ = "0.1.0"
 
-__all__ = ["RankContext", "RankError", "Ranks", "this_rank", "trace", "__version__"]
+__all__ = [
+    "RankContext",
+    "RankError",
+    "Ranks",
+    "ShardTensor",
+    "distribute",
+    "scatter_tensor",
+    "this_rank",
+    "trace",
+    "__version__",
+]
 
-_LAZY = {"trace": "shardlab.trace"}  # name -> module (imports torch)
+# name -> module that defines it (these import torch, so they load on first use)
+_LAZY = {
+    "trace": "shardlab.trace",
+    "ShardTensor": "shardlab.tensor",
+    "distribute": "shardlab.tensor",
+    "scatter_tensor": "shardlab.tensor",
+}
 
 
 def __getattr__(name):
     if name in _LAZY:
-        value = importlib.import_module(_LAZY[name])
+        module = importlib.import_module(_LAZY[name])
+        value = module if module.__name__ == f"shardlab.{name}" else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'shardlab' has no attribute {name!r}")

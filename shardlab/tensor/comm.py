@@ -1,0 +1,114 @@
+"""How layouts change: the collectives behind ShardTensor, on local tensors.
+
+Everything here takes a rank's local tensor and two :class:`ShardLayout` s and
+returns the rank's new local tensor; autograd lives in ``api.py``. The *what*
+(which global boxes move between which ranks) comes from
+:func:`shardlab.layout.redistribute_plan`; this module only carries it out:
+
+1. Partial mesh dims are reduced first (``all_reduce`` over that mesh dim's group).
+2. Shard/Replicate changes move exactly the boxes of the plan, point to point
+   (``batch_isend_irecv``): an all-gather-v, an all-to-all-v or a gather, with
+   the lower bound of bytes and no ``all_to_all`` (gloo has none on CPU).
+3. A Partial target keeps the value on coordinate 0 of that mesh dim and zeros
+   elsewhere (no communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardlab.layout import ShardLayout, redistribute_plan
+from shardlab.trace import label
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "avg": dist.ReduceOp.AVG,
+}
+
+
+def my_coord(mesh) -> tuple[int, ...]:
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise RuntimeError("this rank is not part of the mesh")
+    return tuple(coord)
+
+
+def rank_at(mesh, coord) -> int:
+    """Global rank at mesh coordinate ``coord`` (for point-to-point messages)."""
+    return int(mesh.mesh[tuple(coord)].item())
+
+
+def move(local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh) -> torch.Tensor:
+    """Carry out ``redistribute_plan(src, dst)`` for this rank (no Partial on either side).
+
+    Every rank computes the same plan; for each (sender, receiver) pair the
+    messages are posted in plan order on both ends, so they match.
+    """
+    me = my_coord(mesh)
+    out = local.new_empty(dst.local_shape(me))
+    ops, received = [], []
+    for mv in redistribute_plan(src, dst):
+        if mv.local and mv.dst == me:
+            out[mv.dst_slices()] = local[mv.src_slices()]  # already here: a local copy
+        elif mv.src == me:
+            ops.append(
+                dist.P2POp(dist.isend, local[mv.src_slices()].contiguous(), rank_at(mesh, mv.dst))
+            )
+        elif mv.dst == me:
+            buf = local.new_empty([b - a for a, b in mv.box])
+            ops.append(dist.P2POp(dist.irecv, buf, rank_at(mesh, mv.src)))
+            received.append((mv, buf))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for mv, buf in received:
+        out[mv.dst_slices()] = buf
+    return out
+
+
+def _as_replicate(layout: ShardLayout, mesh_dims) -> ShardLayout:
+    """``layout`` with the (non-Shard) placements of ``mesh_dims`` read as Replicate."""
+    places = tuple(
+        Replicate() if m in mesh_dims and not isinstance(p, Shard) else p
+        for m, p in enumerate(layout.placements)
+    )
+    return ShardLayout(layout.global_shape, layout.mesh_shape, places, layout.sizes)
+
+
+def redistribute_local(
+    local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh, cause: str = "redistribute"
+) -> torch.Tensor:
+    """This rank's block of ``dst``, from its block of ``src``."""
+    if src == dst:
+        return local
+    me = my_coord(mesh)
+    with label(cause):
+        # 1. reduce Partial mesh dims that the target does not keep Partial
+        for m, p in enumerate(src.placements):
+            if isinstance(p, Partial) and dst.placements[m] != p:
+                if p.reduce_op not in _REDUCE_OPS:
+                    raise NotImplementedError(f"Partial({p.reduce_op!r}) cannot be reduced")
+                local = local.clone()
+                dist.all_reduce(local, _REDUCE_OPS[p.reduce_op], group=mesh.get_group(m))
+                src = _as_replicate(src, [m])
+        # 2. move boxes between Shard / Replicate placements (a kept Partial moves
+        #    like a Replicate; a new Partial target is first made Replicate)
+        partial = [m for m, p in enumerate(dst.placements) if isinstance(p, Partial)]
+        move_src, move_dst = _as_replicate(src, partial), _as_replicate(dst, partial)
+        if move_src != move_dst:
+            local = move(local, move_src, move_dst, mesh)
+        # 3. new Partial targets: coordinate 0 keeps the value, the others hold zeros
+        for m, p in enumerate(dst.placements):
+            if isinstance(p, Partial) and src.placements[m] != p:
+                if p.reduce_op != "sum":
+                    raise NotImplementedError(
+                        f"redistribute to Partial({p.reduce_op!r}): only Partial('sum') "
+                        "can be created from Shard or Replicate"
+                    )
+                if me[m] != 0:
+                    local = torch.zeros_like(local)
+    return local

@@ -1,0 +1,36 @@
+"""Random uneven layouts shared by every rank (same seed -> same cases everywhere)."""
+
+import random
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+
+def random_sizes(rng: random.Random, length: int, parts: int) -> list[int]:
+    """Random non-negative sizes summing to ``length`` (zeros and ones are common)."""
+    cuts = sorted(rng.randint(0, length) for _ in range(parts - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, length])]
+
+
+def block(g: torch.Tensor, layout, coord) -> torch.Tensor:
+    return g[tuple(slice(a, b) for a, b in layout.local_box(coord))]
+
+
+def placements_1d(ndim: int):
+    return [Shard(d) for d in range(ndim)] + [Replicate(), Partial()]
+
+
+def sizes_for(rng, shape, mesh_shape, placements):
+    """Explicit random sizes for ShardLayout.build (nested dims get per-piece lists)."""
+    out, seen = [], {}
+    for m, p in enumerate(placements):
+        if not isinstance(p, Shard):
+            out.append(None)
+            continue
+        if p.dim in seen:  # inner split of pieces made by mesh dim seen[p.dim]
+            outer = out[seen[p.dim]]
+            out.append([random_sizes(rng, n, mesh_shape[m]) for n in outer])
+        else:
+            out.append(random_sizes(rng, shape[p.dim], mesh_shape[m]))
+            seen[p.dim] = m
+    return out

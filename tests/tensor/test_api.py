@@ -1,0 +1,257 @@
+"""ShardTensor constructors and redistribute against single-device torch, fwd and bwd."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import shardlab
+from shardlab import ShardTensor, distribute, scatter_tensor, this_rank
+from shardlab.layout import ShardLayout, moved_elements, redistribute_plan
+from tests.tensor._cases import block, placements_1d, random_sizes, sizes_for
+
+
+def _mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if len(shape) == 1:
+        return this_rank().mesh
+    return init_device_mesh("cpu", shape)
+
+
+def _partials(g, layout, seed):
+    """Per-coordinate random parts that sum to g (the same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    coords = layout.coords()
+    parts = {c: torch.randn(g.shape, generator=gen, dtype=g.dtype) for c in coords[1:]}
+    parts[coords[0]] = g - sum(parts.values()) if parts else g.clone()
+    return parts
+
+
+def _src_local(g, layout, coord, seed):
+    """This coordinate's local tensor for ``layout`` (Partial mesh dims: random parts)."""
+    local = block(g, layout, coord)
+    for m, p in enumerate(layout.placements):
+        if isinstance(p, Partial):
+            # parts along mesh dim m (other coordinates hold the same value)
+            n = layout.mesh_shape[m]
+            gen = torch.Generator().manual_seed(seed + m)
+            noise = [torch.randn(local.shape, generator=gen, dtype=g.dtype) for _ in range(n)]
+            total = sum(noise)
+            local = local / n + noise[coord[m]] - total / n
+    return local
+
+
+def _sweep(mesh_shape, cases, seed):
+    def body():
+        me = this_rank()
+        mesh = _mesh(mesh_shape)
+        coord = tuple(mesh.get_coordinate())
+        rng = random.Random(seed)
+        checked = 0
+        for _ in range(cases):
+            ndim = rng.randint(1, 3)
+            shape = [rng.randint(0, 7) for _ in range(ndim)]
+            shape[rng.randrange(ndim)] = rng.randint(0, 9)
+            pick = lambda: tuple(rng.choice(placements_1d(ndim)) for _ in mesh_shape)
+            src_p, dst_p = pick(), pick()
+            src = ShardLayout.build(
+                shape, mesh_shape, src_p, sizes_for(rng, shape, mesh_shape, src_p)
+            )
+            dst_sizes = sizes_for(rng, shape, mesh_shape, dst_p)
+            dst = ShardLayout.build(shape, mesh_shape, dst_p, dst_sizes)
+            g = torch.randn(
+                shape,
+                generator=torch.Generator().manual_seed(rng.randrange(10**6)),
+                dtype=torch.float64,
+            )
+            w = torch.randn(
+                shape,
+                dtype=torch.float64,
+                generator=torch.Generator().manual_seed(rng.randrange(10**6)),
+            )
+            local = _src_local(g, src, coord, seed=checked).requires_grad_()
+            explicit = rng.random() < 0.5
+            if explicit:  # sizes given: checked locally, no communication
+                st = ShardTensor.from_local(local, mesh, src_p, _user_sizes(src), shape=shape)
+            else:  # sizes gathered from the local shapes
+                st = ShardTensor.from_local(local, mesh, src_p, shape=shape)
+            assert st.layout == src, (st.layout, src)
+            assert tuple(st.shape) == tuple(shape)
+            out = st.redistribute(mesh, dst_p, sizes=dst_sizes)
+            assert out.layout == dst
+            want_local = block(g, dst, coord)
+            if not any(isinstance(p, Partial) for p in dst_p):
+                assert torch.allclose(out.to_local(), want_local), (src, dst)
+            full = out.full_tensor()
+            assert torch.allclose(full, g), (src, dst)
+            (full * w).sum().backward()
+            # d/d local: the weight's block (for a Partial part, the block of its value)
+            assert torch.allclose(local.grad, block(w, src, coord)), (src, dst)
+            checked += 1
+        return checked
+
+    return body
+
+
+def _user_sizes(layout):
+    """ShardLayout sizes back to the user form of ShardLayout.build."""
+    out = []
+    for m, entry in enumerate(layout.sizes):
+        if entry is None:
+            out.append(None)
+        elif len(entry) == 1:
+            out.append(list(entry[0]))
+        else:
+            out.append([list(e) for e in entry])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_from_local_redistribute_full_tensor_1d(ranks_for, world):
+    assert ranks_for(world).run(_sweep((world,), 60, seed=world)) == [60] * world
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4), (4, 1), (1, 2), (1, 3), (3, 1)])
+def test_from_local_redistribute_full_tensor_2d(ranks_for, mesh_shape):
+    n = mesh_shape[0] * mesh_shape[1]
+    assert ranks_for(n).run(_sweep(mesh_shape, 40, seed=7 + n)) == [40] * n
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_redistribute_moves_exactly_the_lower_bound(ranks_for, world):
+    def body():
+        mesh = this_rank().mesh
+        rng = random.Random(world)
+        results = []
+        for src_p, dst_p in [
+            (Shard(0), Replicate()),
+            (Shard(0), Shard(1)),
+            (Replicate(), Shard(1)),
+            (Shard(1), Shard(1)),
+        ]:
+            shape = (rng.randint(3, 9), rng.randint(2, 7))
+            src = ShardLayout.build(
+                shape, (world,), [src_p], sizes_for(rng, shape, (world,), [src_p])
+            )
+            dst = ShardLayout.build(
+                shape, (world,), [dst_p], sizes_for(rng, shape, (world,), [dst_p])
+            )
+            g = torch.randn(shape)
+            st = ShardTensor.from_local(
+                block(g, src, mesh.get_coordinate()), mesh, [src_p], _user_sizes(src), shape=shape
+            )
+            with shardlab.trace() as t:
+                st.redistribute(mesh, [dst_p], sizes=_user_sizes(dst))
+            plan = redistribute_plan(src, dst)
+            me = tuple(mesh.get_coordinate())
+            sent = sum(m.numel for m in plan if m.src == me and not m.local) * 4
+            recv = sum(m.numel for m in plan if m.dst == me and not m.local and m.src != me) * 4
+            results.append(
+                (
+                    t.bytes(kind="send"),
+                    sent,
+                    t.bytes(kind="recv"),
+                    recv,
+                    sorted(set(t.counts())),
+                    moved_elements(plan),
+                )
+            )
+        return results
+
+    for rank_results in ranks_for(world).run(body):
+        for got_sent, sent, got_recv, recv, kinds, _ in rank_results:
+            assert got_sent == sent and got_recv == recv
+            assert set(kinds) <= {"send", "recv"}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_scatter_tensor_each_rank_receives_only_its_shard(ranks_for, world):
+    def body():
+        mesh = this_rank().mesh
+        me = dist.get_rank()
+        rng = random.Random(3 * world)
+        out = []
+        for case in range(8):
+            shape = (rng.randint(0, 9), rng.randint(1, 4))
+            src = rng.randrange(world)
+            sizes = random_sizes(rng, shape[0], world)
+            g = torch.randn(
+                shape, generator=torch.Generator().manual_seed(case), dtype=torch.float64
+            )
+            x = g.clone().requires_grad_() if me == src else None
+            with shardlab.trace() as t:
+                st = scatter_tensor(x, src, mesh, [Shard(0)], sizes=sizes)
+            layout = st.layout
+            assert torch.equal(st.to_local(), block(g, layout, (me,)))
+            data = t.filter(label="scatter_tensor", kind=("send", "recv"))
+            mine = layout.numel((me,)) * 8
+            if me == src:
+                assert data.bytes(kind="send") == g.numel() * 8 - mine
+                assert data.bytes(kind="recv") == 0
+            else:
+                assert data.bytes(kind="recv") == mine and data.bytes(kind="send") == 0
+            w = torch.arange(g.numel(), dtype=torch.float64).reshape(shape)
+            (st.full_tensor() * w).sum().backward()
+            if me == src:
+                assert torch.equal(x.grad, w)
+            out.append(True)
+        return len(out)
+
+    assert ranks_for(world).run(body) == [8] * world
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_distribute_needs_no_communication(ranks_for, world):
+    def body():
+        mesh = this_rank().mesh
+        g = torch.randn(
+            7, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        ).requires_grad_()
+        sizes = random_sizes(random.Random(world), 5, world)
+        with shardlab.trace() as t:
+            st = distribute(g, mesh, [Shard(1)], sizes=sizes)
+        assert len(t) == 0
+        assert torch.equal(st.to_local(), block(g.detach(), st.layout, (dist.get_rank(),)))
+        (st * st).sum().full_tensor().backward()
+        return torch.allclose(g.grad, 2 * g.detach())
+
+    assert ranks_for(world).run(body) == [True] * world
+
+
+def test_bad_input_errors_on_every_rank(ranks_for):
+    def body():
+        mesh = this_rank().mesh
+        x = torch.ones(4, 2)
+        errors = {}
+        cases = {
+            "sum": lambda: ShardTensor.from_local(x, mesh, [Shard(0)], [4, 4, 1], shape=(12, 2)),
+            "negative": lambda: distribute(torch.ones(8), mesh, [Shard(0)], [9, -1, 0]),
+            "placements": lambda: ShardTensor.from_local(x, mesh, [Shard(0), Shard(1)]),
+            "placement type": lambda: ShardTensor.from_local(x, mesh, ["row"]),
+            "device": lambda: distribute(torch.ones(3, device="meta"), mesh, [Shard(0)]),
+            "mesh": lambda: ShardTensor.from_local(x, "mesh", [Shard(0)]),
+        }
+        try:  # only rank 2's block (3 rows) disagrees with its 4-row local tensor
+            ShardTensor.from_local(x, mesh, [Shard(0)], [4, 4, 3])
+            errors_local = None
+        except ValueError as exc:
+            errors_local = str(exc)
+        for name, fn in cases.items():
+            try:
+                fn()
+                errors[name] = None
+            except (ValueError, TypeError) as exc:
+                errors[name] = (type(exc).__name__, str(exc))
+        return errors, errors_local
+
+    for rank, (errors, errors_local) in enumerate(ranks_for(3).run(body)):
+        assert (errors_local is not None) == (rank == 2)
+        assert all(errors.values()), errors
+        assert "12" in errors["sum"][1] and "9" in errors["sum"][1]
+        assert "negative" in errors["negative"][1]
+        assert "one entry per mesh dim" in errors["placements"][1]
+        assert "meta" in errors["device"][1]
+        assert "DeviceMesh" in errors["mesh"][1]
