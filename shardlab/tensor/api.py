@@ -79,7 +79,8 @@ class ShardTensor(DTensor):
         where = f"rank {dist.get_rank()}" if dist.is_initialized() else "here"
         grad = ", requires_grad=True" if self.requires_grad else ""
         return (
-            f"ShardTensor(global {tuple(lay.global_shape)}, {str(self.dtype).replace('torch.', '')}, "
+            f"ShardTensor(global {tuple(lay.global_shape)}, "
+            f"{str(self.dtype).replace('torch.', '')}, "
             f"mesh {tuple(lay.mesh_shape)}, [{places}], "
             f"local {tuple(self._local_tensor.shape)} on {where} at {tuple(coord or ())}{grad})"
         )

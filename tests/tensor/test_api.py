@@ -46,7 +46,6 @@ def _src_local(g, layout, coord, seed):
 
 def _sweep(mesh_shape, cases, seed):
     def body():
-        me = this_rank()
         mesh = _mesh(mesh_shape)
         coord = tuple(mesh.get_coordinate())
         rng = random.Random(seed)
@@ -55,8 +54,9 @@ def _sweep(mesh_shape, cases, seed):
             ndim = rng.randint(1, 3)
             shape = [rng.randint(0, 7) for _ in range(ndim)]
             shape[rng.randrange(ndim)] = rng.randint(0, 9)
-            pick = lambda: tuple(rng.choice(placements_1d(ndim)) for _ in mesh_shape)
-            src_p, dst_p = pick(), pick()
+            choices = placements_1d(ndim)
+            src_p = tuple(rng.choice(choices) for _ in mesh_shape)
+            dst_p = tuple(rng.choice(choices) for _ in mesh_shape)
             src = ShardLayout.build(
                 shape, mesh_shape, src_p, sizes_for(rng, shape, mesh_shape, src_p)
             )
@@ -99,7 +99,7 @@ def _sweep(mesh_shape, cases, seed):
 def _user_sizes(layout):
     """ShardLayout sizes back to the user form of ShardLayout.build."""
     out = []
-    for m, entry in enumerate(layout.sizes):
+    for entry in layout.sizes:
         if entry is None:
             out.append(None)
         elif len(entry) == 1:
