@@ -152,10 +152,28 @@ class ShardTensor(DTensor):
         return self.redistribute(self.device_mesh, replicate).to_local()
 
     @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS and len(args) >= 2:
+            from shardlab.tensor import matmul
+
+            x, w = args[0], args[1]
+            if func is torch.nn.functional.linear and matmul.wants_local_matmul(x, w.t()):
+                y = matmul.local_matmul(x, w.t())
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                return y if bias is None else y + bias
+            if func is not torch.nn.functional.linear and matmul.wants_local_matmul(x, w):
+                return matmul.local_matmul(x, w)
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from shardlab.tensor.dispatch import dispatch
 
         return dispatch(func, args, kwargs or {})
+
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.nn.functional.linear}
 
 
 # -- autograd ---------------------------------------------------------------

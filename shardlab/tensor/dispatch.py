@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map
 
 from shardlab.layout import ShardLayout, format_sizes
@@ -55,11 +55,31 @@ def dispatch(func, args, kwargs):
     handler = _HANDLERS.get(func) or _HANDLERS.get(func.overloadpacket)
     if handler is not None:
         return handler(func, args, kwargs)
+    return generic(func, args, kwargs)
+
+
+def generic(func, args, kwargs):
+    """DTensor for even layouts, the local path for uneven ones (no handler)."""
     shards = _shard_tensors(args, kwargs)
+    args, kwargs = _replicate_plain(args, kwargs, shards[0].device_mesh)
     if all(s._layout.is_even() for s in shards):
         out = DTensor.__torch_dispatch__(func, (DTensor,), args, kwargs)
         return tree_map(_from_dtensor, out)
     return _local_fallback(func, args, kwargs, shards)
+
+
+def _replicate_plain(args, kwargs, mesh):
+    """Plain tensors next to ShardTensors are read as replicated (the same on every
+    rank), like DTensor's ``implicit_replication``; 0-dim tensors stay scalars."""
+    from shardlab.tensor.api import ShardTensor
+
+    def lift(x):
+        if type(x) is torch.Tensor and x.ndim > 0:
+            layout = ShardLayout.build(tuple(x.shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
+            return ShardTensor._wrap(x, mesh, layout)
+        return x
+
+    return tree_map(lift, args), tree_map(lift, kwargs)
 
 
 def _from_dtensor(x):
@@ -85,7 +105,11 @@ def propagate(func, args, kwargs):
     op_info = dispatcher.unwrap_to_op_info(
         func, tree_map(_to_dtensor, args), tree_map(_to_dtensor, kwargs)
     )
-    dispatcher.sharding_propagator.propagate(op_info)
+    try:
+        dispatcher.sharding_propagator.propagate(op_info)
+    except RuntimeError as exc:  # DTensor refuses this op for this layout
+        reason = str(exc).split("\n")[0]
+        raise unsupported(func, _shard_tensors(args, kwargs), f"DTensor says: {reason}") from exc
     return op_info.output_sharding
 
 
@@ -103,6 +127,10 @@ def unsupported(func, shards, why: str, suggestion=None) -> NotImplementedError:
 
 def _local_fallback(func, args, kwargs, shards):
     out_sharding = propagate(func, args, kwargs)
+    schema = out_sharding.redistribute_schema
+    if out_sharding.needs_redistribute and _same_specs(args, schema):
+        # only shape arguments change (slice_backward, new_zeros ...): global -> local
+        return _with_local_shapes(func, args, kwargs, out_sharding, shards)
     if out_sharding.needs_redistribute:
         args = _align_args(func, args, out_sharding.redistribute_schema, shards)
         out_sharding = propagate(func, args, kwargs)
@@ -112,6 +140,33 @@ def _local_fallback(func, args, kwargs, shards):
     local_args, local_kwargs = tree_map(_local, (args, kwargs))
     result = func(*local_args, **local_kwargs)
     return wrap(result, out_sharding.output_spec, shards, func)
+
+
+def _same_specs(args, schema) -> bool:
+    if schema is None:
+        return False
+    from shardlab.tensor.api import ShardTensor
+
+    return all(
+        tuple(spec.placements) == tuple(a.placements)
+        for a, spec in zip(args, schema.args_schema)
+        if isinstance(a, ShardTensor)
+    )
+
+
+def _with_local_shapes(func, args, kwargs, out_sharding, shards):
+    """Run ``func`` locally with every global-shape argument replaced by the local one."""
+    spec = out_sharding.output_spec
+    layout = output_layout(spec, shards, func)
+    global_shape = list(layout.global_shape)
+    local_shape = list(layout.local_shape(comm.my_coord(spec.mesh)))
+
+    def fix(a):
+        return local_shape if isinstance(a, (list, tuple)) and list(a) == global_shape else a
+
+    local_args = [fix(_local(a)) for a in args]
+    local_kwargs = {k: fix(_local(v)) for k, v in kwargs.items()}
+    return wrap(func(*local_args, **local_kwargs), spec, shards, func)
 
 
 def _align_args(func, args, schema, shards):
@@ -134,16 +189,17 @@ def _align_args(func, args, schema, shards):
                 raise unsupported(
                     func, shards, "DTensor would make an input Partial", spec.placements
                 )
-            ref = next(
-                (
-                    s._layout.sizes[m]
-                    for s in shards
-                    if s._layout.placements[m] == p
-                    and isinstance(p, Shard)
-                    and s._layout.global_shape[p.dim] == a.shape[p.dim]
-                ),
-                None,
-            )
+            ref = None
+            if isinstance(p, Shard):  # an input whose dim lines up with it (broadcasting
+                for s in shards:  # aligns dims from the right), sharded on mesh dim m
+                    q = s._layout.placements[m]
+                    if (
+                        isinstance(q, Shard)
+                        and q.dim - s.ndim == p.dim - a.ndim
+                        and s._layout.global_shape[q.dim] == a.shape[p.dim]
+                    ):
+                        ref = s._layout.sizes[m]
+                        break
             if isinstance(p, Shard) and ref is None:
                 raise unsupported(
                     func,
@@ -256,3 +312,38 @@ def _view(func, args, kwargs):
     local_shape = layout.local_shape(comm.my_coord(x.device_mesh))
     result = func(x._local_tensor, list(local_shape), *args[2:], **kwargs)
     return wrap(result, out_sharding.output_spec, shards, func)
+
+
+@register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
+def _extreme(func, args, kwargs):
+    """max/min where this rank's block is empty along a reduced dim: torch refuses an
+    empty reduction, so the rank contributes the identity (-inf for max) instead."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim", ())
+    dims = [d % x.ndim for d in (dims if dims else range(x.ndim))]
+    local = x._local_tensor
+    if not any(local.shape[d] == 0 and x.shape[d] > 0 for d in dims):
+        return generic(func, args, kwargs)
+    out_sharding = propagate(func, args, kwargs)
+    spec = out_sharding.output_spec
+    layout = output_layout(spec, [x], func)
+    is_max = func in (aten.amax.default, aten.max.default)
+    info = torch.finfo(x.dtype) if x.dtype.is_floating_point else torch.iinfo(x.dtype)
+    fill = (
+        (-float("inf") if is_max else float("inf"))
+        if x.dtype.is_floating_point
+        else (info.min if is_max else info.max)
+    )
+    result = torch.full(
+        layout.local_shape(comm.my_coord(x.device_mesh)), fill, dtype=x.dtype, device=local.device
+    )
+    return wrap(result, spec, [x], func)
+
+
+@register(aten.sum.dim_IntList)
+def _sum(func, args, kwargs):
+    """``sum(dim=[])`` means every dim in aten (autograd uses it); say so explicitly."""
+    x, dims = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is not None and len(dims) == 0:
+        args = (x, list(range(x.ndim)), *args[2:])
+    return generic(func, args, kwargs)
