@@ -154,6 +154,7 @@ class ShardTensor(DTensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        args, kwargs = _lift_trainable(args, kwargs)
         if func in _MATMULS and len(args) >= 2:
             from shardlab.tensor import matmul
 
@@ -174,6 +175,36 @@ class ShardTensor(DTensor):
 
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.nn.functional.linear}
+
+
+def _lift_trainable(args, kwargs):
+    """Plain tensors that require grad (parameters) next to a ShardTensor become
+    replicated ShardTensors *differentiably*, so their ``.grad`` is a plain tensor
+    holding the full gradient (summed over ranks), as on one device."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    leaves = tree_leaves((args, kwargs))
+    if not any(
+        type(a) is not ShardTensor
+        and isinstance(a, torch.Tensor)
+        and a.requires_grad
+        and not isinstance(a, DTensor)
+        for a in leaves
+    ):
+        return args, kwargs
+    mesh = next(a.device_mesh for a in leaves if isinstance(a, ShardTensor))
+
+    def lift(a):
+        if (
+            isinstance(a, torch.Tensor)
+            and not isinstance(a, DTensor)
+            and a.requires_grad
+            and a.ndim > 0
+        ):
+            return distribute(a, mesh, [Replicate()] * mesh.ndim)
+        return a
+
+    return tree_map(lift, args), tree_map(lift, kwargs)
 
 
 # -- autograd ---------------------------------------------------------------

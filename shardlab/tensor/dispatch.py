@@ -74,7 +74,7 @@ def _replicate_plain(args, kwargs, mesh):
     from shardlab.tensor.api import ShardTensor
 
     def lift(x):
-        if type(x) is torch.Tensor and x.ndim > 0:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0:
             layout = ShardLayout.build(tuple(x.shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
             return ShardTensor._wrap(x, mesh, layout)
         return x

@@ -16,7 +16,7 @@ Here the product runs on the local block directly::
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout
 
@@ -32,13 +32,13 @@ def wants_local_matmul(x, w) -> bool:
         return False
     if isinstance(w, ShardTensor):
         return all(isinstance(p, Replicate) for p in w.placements)
-    return type(w) is torch.Tensor
+    return not isinstance(w, DTensor)
 
 
 def local_matmul(x, w):
-    from shardlab.tensor.api import distribute
+    from shardlab.tensor.api import ShardTensor, distribute
 
-    if type(w) is torch.Tensor:
+    if not isinstance(w, ShardTensor):
         w = distribute(w, x.device_mesh, [Replicate()] * x.device_mesh.ndim)
     return _LocalMatmul.apply(x, w)
 

@@ -134,3 +134,42 @@ def test_even_layouts_use_dtensor_and_stay_shardtensors(ranks_for):
         return isinstance(y, ShardTensor), torch.allclose(y.full_tensor(), x.softmax(0))
 
     assert ranks_for(4).run(body) == [(True, True)] * 4
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_nn_modules_unchanged_on_uneven_sequence_shards(ranks_for, world):
+    """Linear -> GELU -> Linear -> LayerNorm on (B, T, C) sharded on T with uneven sizes:
+    outputs, input gradient and every parameter gradient (plain tensors) as on one device."""
+
+    def body():
+        mesh = this_rank().mesh
+        rng = random.Random(world)
+        ok = []
+        for case in range(4):
+            torch.manual_seed(case)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(6, 8),
+                torch.nn.GELU(),
+                torch.nn.Linear(8, 6),
+                torch.nn.LayerNorm(6),
+            ).double()
+            t = rng.randint(1, 9)
+            g = torch.randn(2, t, 6, dtype=torch.float64)
+            x_ref = g.clone().requires_grad_()
+            (model(x_ref).square().sum()).backward()
+            ref = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            x = g.clone().requires_grad_()
+            st = distribute(x, mesh, [Shard(1)], sizes=random_sizes(rng, t, world))
+            out = model(st)
+            assert isinstance(out, ShardTensor)
+            if t >= world:  # (DTensor replicates dims shorter than the mesh; still exact)
+                assert out.layout.sizes == st.layout.sizes
+            out.square().sum().full_tensor().backward()
+            assert torch.allclose(x.grad, x_ref.grad, atol=1e-12)
+            for p, r in zip(model.parameters(), ref):
+                assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, r, atol=1e-12)
+            ok.append(True)
+        return len(ok)
+
+    assert ranks_for(world).run(body) == [4] * world
