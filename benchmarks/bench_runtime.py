@@ -46,20 +46,25 @@ print(json.dumps(dict(up=t_up - t0, first=t_first - t0, call=sorted(lat)[len(lat
 
 
 def measure(n: int, method: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(n), method], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(n), method], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    print("| start method | ranks | ranks up (s) | to first all_reduce (s) | "
-          "call latency (ms) | rank memory, PSS (MB) |")
+    print(
+        "| start method | ranks | ranks up (s) | to first all_reduce (s) | "
+        "call latency (ms) | rank memory, PSS (MB) |"
+    )
     print("|---|---|---|---|---|---|")
     for method in ("forkserver", "spawn"):
         for n in (1, 2, 4):
             m = measure(n, method)
-            print(f"| {method} | {n} | {m['up']:.2f} | {m['first']:.2f} | "
-                  f"{m['call'] * 1e3:.1f} | {m['mem'] / 2**20:.0f} |")
+            print(
+                f"| {method} | {n} | {m['up']:.2f} | {m['first']:.2f} | "
+                f"{m['call'] * 1e3:.1f} | {m['mem'] / 2**20:.0f} |"
+            )
 
 
 if __name__ == "__main__":

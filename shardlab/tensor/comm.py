@@ -79,6 +79,42 @@ def _as_replicate(layout: ShardLayout, mesh_dims) -> ShardLayout:
     return ShardLayout(layout.global_shape, layout.mesh_shape, places, layout.sizes)
 
 
+def _reduce_scatter_v(local, m, d, sizes, mesh, op) -> torch.Tensor:
+    """Partial on mesh dim ``m`` -> Shard(d) with ``sizes``: every rank sends each peer
+    the peer's slice of its partial value and sums what it receives for its own."""
+    me = my_coord(mesh)
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+
+    def piece(t, k):
+        index = [slice(None)] * t.ndim
+        index[d] = slice(starts[k], starts[k] + sizes[k])
+        return t[tuple(index)]
+
+    mine = piece(local, me[m]).clone()
+    ops, bufs = [], []
+    for k in range(mesh.shape[m]):
+        if k == me[m]:
+            continue
+        peer = rank_at(mesh, me[:m] + (k,) + me[m + 1 :])
+        if sizes[k]:
+            ops.append(dist.P2POp(dist.isend, piece(local, k).contiguous(), peer))
+        if sizes[me[m]]:
+            bufs.append(torch.empty_like(mine))
+            ops.append(dist.P2POp(dist.irecv, bufs[-1], peer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for b in bufs:
+        mine = (
+            mine + b
+            if op == "sum"
+            else torch.maximum(mine, b)
+            if op == "max"
+            else torch.minimum(mine, b)
+        )
+    return mine
+
+
 def redistribute_local(
     local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh, cause: str = "redistribute"
 ) -> torch.Tensor:
@@ -92,6 +128,23 @@ def redistribute_local(
             if isinstance(p, Partial) and dst.placements[m] != p:
                 if p.reduce_op not in _REDUCE_OPS:
                     raise NotImplementedError(f"Partial({p.reduce_op!r}) cannot be reduced")
+                q = dst.placements[m]
+                if (
+                    isinstance(q, Shard)
+                    and p.reduce_op in ("sum", "max", "min")
+                    and not any(
+                        isinstance(o, Shard) and o.dim == q.dim
+                        for k, o in enumerate(src.placements + dst.placements)
+                        if k % len(src.placements) != m
+                    )
+                ):  # reduce-scatter-v: each rank receives only the parts of its own block
+                    local = _reduce_scatter_v(local, m, q.dim, dst.sizes[m][0], mesh, p.reduce_op)
+                    places = list(src.placements)
+                    places[m] = q
+                    sizes = list(src.sizes)
+                    sizes[m] = dst.sizes[m]
+                    src = ShardLayout(src.global_shape, src.mesh_shape, tuple(places), tuple(sizes))
+                    continue
                 local = local.clone()
                 dist.all_reduce(local, _REDUCE_OPS[p.reduce_op], group=mesh.get_group(m))
                 src = _as_replicate(src, [m])

@@ -31,7 +31,8 @@ class Event:
     """One collective or point-to-point message, as seen by one rank.
 
     ``bytes`` is this rank's payload: the input it hands to a collective
-    (for ``all_gather`` its own shard, for ``reduce_scatter`` its whole input),
+    (for ``all_gather`` its own shard, for ``reduce_scatter`` its whole input,
+    for ``scatter`` the chunk it receives),
     the tensor it sends (``send``) or receives (``recv``). ``group`` lists the
     global ranks of the process group, ``peer`` is the global rank on the other
     end of a send/recv (the root of a broadcast/scatter/gather/reduce).

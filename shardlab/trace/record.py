@@ -47,7 +47,7 @@ _C10D = {
     "alltoall_": ("all_to_all", "input_tensors", None),
     "alltoall_base_": ("all_to_all", "input", None),
     "broadcast_": ("broadcast", "tensors", "root_rank"),
-    "scatter_": ("scatter", "input_tensors", "root_rank"),
+    "scatter_": ("scatter", "output_tensors", "root_rank"),  # the chunk each rank gets
     "gather_": ("gather", "input_tensors", "root_rank"),
     "reduce_": ("reduce", "tensors", "root_rank"),
     "send": ("send", "tensors", "dst"),

@@ -255,3 +255,32 @@ def test_bad_input_errors_on_every_rank(ranks_for):
         assert "one entry per mesh dim" in errors["placements"][1]
         assert "meta" in errors["device"][1]
         assert "DeviceMesh" in errors["mesh"][1]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_partial_to_shard_is_a_reduce_scatter_v(ranks_for, world):
+    """Partial -> Shard(d) with uneven sizes: each rank receives only the other ranks'
+    parts of its own block, and the result equals the sum of the parts."""
+
+    def body():
+        mesh = this_rank().mesh
+        me = dist.get_rank()
+        sizes = random_sizes(random.Random(world), 9, world)
+        parts = [
+            torch.randn(9, 3, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+            for r in range(world)
+        ]
+        st = ShardTensor.from_local(parts[me].clone().requires_grad_(), mesh, [Partial()])
+        with shardlab.trace() as t:
+            out = st.redistribute(mesh, [Shard(0)], sizes=sizes)
+        mine = sizes[me] * 3 * 8
+        want = {
+            "send": sum(1 for r, s in enumerate(sizes) if r != me and s),
+            "recv": world - 1 if sizes[me] else 0,
+        }
+        assert t.counts() == {k: v for k, v in want.items() if v}
+        assert t.bytes(kind="recv") == (world - 1) * mine
+        assert t.bytes(kind="send") == sum(s * 3 * 8 for r, s in enumerate(sizes) if r != me)
+        return torch.allclose(out.full_tensor(), sum(parts))
+
+    assert ranks_for(world).run(body) == [True] * world
