@@ -100,7 +100,7 @@ def test_every_collective_kind(ranks_for):
             dist.barrier()
         return [(e.kind, e.peer, e.bytes) for e in t.events]
 
-    for me, events in enumerate(ranks_for(world).run(body)):
+    for events in ranks_for(world).run(body):
         assert events == [
             ("broadcast", 1, 24),
             ("all_gather", None, 24),
