@@ -22,27 +22,80 @@ def _check_all_reduce() -> dict:
     return {"rank": ctx.rank, "sum": x.tolist(), "mesh": tuple(ctx.mesh.shape)}
 
 
+def _check_shard_tensor() -> dict:
+    """Uneven sizes [n+1, n, ..., 1, 0]: full_tensor and mean exact; DTensor's are not."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    from shardlab import ShardTensor
+    from shardlab.runtime import this_rank
+
+    ctx = this_rank()
+    n = ctx.world_size
+    sizes = [n + 1 - r for r in range(n - 1)] + [0] if n > 1 else [3]
+    total = sum(sizes)
+    g = torch.arange(total * 2, dtype=torch.float64).reshape(total, 2)
+    start = sum(sizes[: ctx.rank])
+    local = g[start : start + sizes[ctx.rank]]
+    st = ShardTensor.from_local(local, ctx.mesh, [Shard(0)])
+    ok = torch.equal(st.full_tensor(), g) and torch.allclose(st.mean().full_tensor(), g.mean())
+    # DTensor alone would assume torch.chunk sizes for this global shape
+    from shardlab.layout import chunk_sizes
+
+    assumed = list(chunk_sizes(total, n))
+    dist.barrier()
+    return {"ok": ok, "sizes": sizes, "assumed": assumed}
+
+
+def _tour_all_reduce(ranks, out):
+    n = ranks.world_size
+    res = ranks.run(_check_all_reduce)
+    want = [float(n * (n + 1) // 2)] * 3
+    ok = all(r["sum"] == want and r["mesh"] == (n,) for r in res)
+    return ok, f"sum of rank+1 = {res[0]['sum'][0]:g} (expected {want[0]:g})"
+
+
+def _tour_shard_tensor(ranks, out):
+    res = ranks.run(_check_shard_tensor)
+    return all(r["ok"] for r in res), (
+        f"Shard(0) sizes {res[0]['sizes']}: full_tensor and mean exact "
+        f"(DTensor alone assumes {res[0]['assumed']})"
+    )
+
+
+# (name, check(ranks, out_dir) -> (ok, detail)); later capabilities add theirs here
+CHECKS = [("all_reduce", _tour_all_reduce), ("ShardTensor", _tour_shard_tensor)]
+
+
 def tour(n: int = 4, backend: str = "gloo", out: str = "shardlab-tour") -> int:
     """Start ``n`` ranks, run every capability check, print a report; return 0 if all pass."""
+    import os
+
     from shardlab.runtime import Ranks
 
+    os.makedirs(out, exist_ok=True)
     rows: list[tuple[str, bool, str]] = []
     t0 = time.perf_counter()
     with Ranks(n, backend=backend) as ranks:
-        started = time.perf_counter() - t0
-        rows.append(("start ranks", True, f"{n} {backend} ranks up in {started:.2f} s"))
-        res = ranks.run(_check_all_reduce)
-        want = [float(n * (n + 1) // 2)] * 3
-        ok = all(r["sum"] == want and r["mesh"] == (n,) for r in res)
         rows.append(
-            ("all_reduce", ok, f"sum of rank+1 = {res[0]['sum'][0]:g} (expected {want[0]:g})")
+            ("start ranks", True, f"{n} {backend} ranks up in {time.perf_counter() - t0:.2f} s")
         )
+        for name, check in CHECKS:
+            try:
+                ok, detail = check(ranks, out)
+            except Exception as exc:  # noqa: BLE001 - a failed check is a FAIL row
+                ok, detail = False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            rows.append((name, ok, detail))
     width = max(len(r[0]) for r in rows)
     print(f"shardlab tour on {n} {backend} ranks")
     for name, ok, detail in rows:
         print(f"  {'PASS' if ok else 'FAIL'}  {name:<{width}}  {detail}")
+    figures = sorted(f for f in os.listdir(out) if f.endswith(".png"))
+    if figures:
+        print(f"figures in {out}/: " + ", ".join(figures))
     failed = sum(not ok for _, ok, _ in rows)
-    print(f"{len(rows) - failed} passed, {failed} failed")
+    print(f"tour: {len(rows) - failed} checks passed, {failed} failed")
     return 1 if failed else 0
 
 

@@ -1,0 +1,29 @@
+"""``shardlab tour`` end to end (it starts its own ranks, as a user's first command does)."""
+
+import subprocess
+import sys
+
+
+def test_tour_passes_and_reports(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "shardlab", "tour", "-n", "3", "--out", str(tmp_path / "figs")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "shardlab tour on 3 gloo ranks"
+    assert any("PASS  ShardTensor" in line for line in lines)
+    assert not any("FAIL" in line for line in lines)
+    assert lines[-1].startswith("tour: ") and lines[-1].endswith(" 0 failed")
+
+
+def test_tour_rejects_bad_arguments():
+    out = subprocess.run(
+        [sys.executable, "-m", "shardlab", "tour", "-n", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "positive int" in out.stderr
