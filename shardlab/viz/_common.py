@@ -107,6 +107,9 @@ def element_grid(ax, axis: str, lo: float, hi: float, limit: int = 64) -> None:
     """Light lines between elements along ``axis`` when there are few enough to count."""
     if hi - lo > limit or hi <= lo:
         return
-    line = ax.axvline if axis == "x" else ax.axhline
-    for v in range(int(lo), int(hi) + 1):
-        line(v, color="#bbbbbb", lw=0.4, zorder=0.5)
+    at = range(int(lo), int(hi) + 1)
+    style = {"colors": "#bbbbbb", "lw": 0.4, "zorder": 0.5}
+    if axis == "x":
+        ax.vlines(at, 0, 1, transform=ax.get_xaxis_transform(), **style)
+    else:
+        ax.hlines(at, 0, 1, transform=ax.get_yaxis_transform(), **style)

@@ -36,7 +36,7 @@ def plot_2d(plan, bytes_per_row, ax):
         sub = fig.add_subplot(grid[i, j])
         if (i, j) in windows:
             (a0, a1), (b0, b1) = windows[i, j]
-            sub.add_patch(
+            sub.add_artist(
                 Rectangle(
                     (b0, a0),
                     b1 - b0,
@@ -48,17 +48,17 @@ def plot_2d(plan, bytes_per_row, ax):
                     zorder=1,
                 )
             )
-        sub.add_patch(Rectangle((0, 0), width, height, fc="white", ec="#999999", zorder=1.5))
+        sub.add_artist(Rectangle((0, 0), width, height, fc="white", ec="#999999", zorder=1.5))
         for q, (qi, qj) in enumerate(plan.coords()):
             box = (ws[qj], hs[qi]), pw.in_sizes[qj], ph.in_sizes[qi]
             if q == rank:
-                sub.add_patch(Rectangle(*box, fc=rank_colour(q), alpha=0.55, zorder=2))
-            sub.add_patch(Rectangle(*box, fc="none", ec="#bbbbbb", lw=0.6, zorder=2.5))
+                sub.add_artist(Rectangle(*box, fc=rank_colour(q), alpha=0.55, zorder=2))
+            sub.add_artist(Rectangle(*box, fc="none", ec="#bbbbbb", lw=0.6, zorder=2.5))
         for b in plan.recvs((i, j)):
             src = b.src[0] * nw + b.src[1]
             (h0, h1), (w0, w1) = b.box
             halos.append((rank, src, (h0, h1), (w0, w1)))
-            sub.add_patch(
+            sub.add_artist(
                 Rectangle(
                     (w0, h0),
                     w1 - w0,
@@ -71,7 +71,7 @@ def plot_2d(plan, bytes_per_row, ax):
                 )
             )
         if (i, j) in windows:
-            sub.add_patch(
+            sub.add_artist(
                 Rectangle(
                     (b0, a0), b1 - b0, a1 - a0, fc="none", ec="black", ls=":", lw=1.0, zorder=4
                 )

@@ -125,38 +125,63 @@ def plot_collectives(trace, *, by="seq", ax=None, max_events=200, title=None):
         ends = {id(e): (span[id(e)][0], span[id(e)][1]) for e in events}
         extent, step = max(last, 1e-3), max(last, 1e-3) * 0.06
 
-    width = min(max(1.3 * extent + 2.5, 6.0), 24.0) if by == "seq" else 9.0
+    width = min(max(1.6 * extent + 2.5, 6.0), 24.0) if by == "seq" else 9.0
     fig, ax = new_figure((width, 1.4 + 0.75 * max(len(lanes), 1)), ax)
     for r, i in lane.items():
         ax.axhline(i, color=rank_colour(r), lw=0.8, alpha=0.5, zorder=0)
     small = by == "seq" and extent > 40  # too many columns for text in every box
 
     collectives = []
+    slots = _slots(instances, span, lane) if by == "seq" else {}
     for inst in instances:
         e0 = inst[0]
         members = sorted({lane[g] for g in e0.group} | {lane[e.rank] for e in inst})
         a = min(span[id(e)][0] for e in inst)
         b = max(span[id(e)][1] for e in inst)
+        if id(inst) in slots:  # several calls overlap in this column: side by side
+            k, n = slots[id(inst)]
+            a, b = a + (b - a) * k / n, a + (b - a) * (k + 1) / n
         colour = KIND_COLOURS.get(e0.kind, "#eeeeee")
         runs = _runs(members)
         for lo, hi in runs:
-            ax.add_patch(Rectangle((a, lo - 0.3), b - a, hi - lo + 0.6, fc=colour, ec="#555555",
-                                   lw=0.9, zorder=2))  # fmt: skip
+            ax.add_artist(
+                Rectangle(
+                    (a, lo - 0.3), b - a, hi - lo + 0.6, fc=colour, ec="#555555", lw=0.9, zorder=2
+                )
+            )
         if len(runs) > 1:
-            ax.plot([(a + b) / 2] * 2, [members[0], members[-1]], ls="--", color="#555555",
-                    lw=0.8, zorder=1.5)  # fmt: skip
+            ax.plot(
+                [(a + b) / 2] * 2,
+                [members[0], members[-1]],
+                ls="--",
+                color="#555555",
+                lw=0.8,
+                zorder=1.5,
+            )
         amounts = sorted({e.bytes for e in inst})
         size = human_bytes(amounts[0])
         if len(amounts) > 1:
             size = f"{size}–{human_bytes(amounts[-1])}"
-        text = f"{e0.kind}\n{size}" + ("/rank" if len(e0.group) > 1 else "")
+        narrow = id(inst) in slots
+        text = f"{e0.kind}\n{size}" + ("/rank" if len(e0.group) > 1 and not narrow else "")
         text += f"\n{e0.label}" if e0.label else ""
-        lo, hi = runs[0]
-        if not small:
-            ax.text((a + b) / 2, (lo + hi) / 2, text, ha="center", va="center", fontsize=7,
-                    zorder=3, clip_on=True)  # fmt: skip
+        if len(runs) > 1:
+            text += "\n{" + ",".join(map(str, e0.group)) + "}"
+        for lo, hi in runs if not small else ():
+            ax.text(
+                (a + b) / 2,
+                (lo + hi) / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=7,
+                zorder=3,
+                clip_on=True,
+            )
         collectives.append((e0.kind, tuple(e0.group), len(inst)))
 
+    labels = {s.label for s, _ in pairs}
+    shared = labels.pop() if len(labels) == 1 else ""  # one cause: said once, in the legend
     arrows = []
     for s, r in pairs:
         x0, y0 = ends[id(s)][0], lane[s.rank]
@@ -164,10 +189,18 @@ def plot_collectives(trace, *, by="seq", ax=None, max_events=200, title=None):
         _arrow(ax, FancyArrowPatch, (x0, y0), (x1, y1), rank_colour(s.rank), "-")
         ax.plot([x0], [y0], "o", color=rank_colour(s.rank), ms=5, zorder=4)
         ax.plot([x1], [y1], "s", color=rank_colour(s.rank), ms=4, zorder=4)
-        text = human_bytes(s.bytes) + (f"\n{s.label}" if s.label else "")
+        text = human_bytes(s.bytes) + (f"\n{s.label}" if s.label and not shared else "")
         if not small:
-            ax.text((x0 + x1) / 2, (y0 + y1) / 2, text, fontsize=7, ha="center", va="center",
-                    zorder=6, bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"})  # fmt: skip
+            ax.text(
+                x0 + 0.4 * (x1 - x0),  # not the middle: a ring's arrows cross there
+                y0 + 0.4 * (y1 - y0),
+                text,
+                fontsize=7,
+                ha="center",
+                va="center",
+                zorder=6,
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"},
+            )
         arrows.append((s.rank, r.rank, s.bytes))
 
     dangling = []
@@ -188,7 +221,7 @@ def plot_collectives(trace, *, by="seq", ax=None, max_events=200, title=None):
         label.set_color(rank_colour(r))
     if by == "seq":
         ax.set_xlim(-0.6, extent - 0.4)
-        ax.set_xlabel("event order (each rank's calls left to right; recv after its send)")
+        ax.set_xlabel("event order (each rank's calls left to right)")
         ax.set_xticks(range(int(extent)) if extent <= 40 else [])
     else:
         ax.set_xlim(-step / 2, extent + step / 2)
@@ -197,11 +230,13 @@ def plot_collectives(trace, *, by="seq", ax=None, max_events=200, title=None):
     kinds = [k for k in KIND_COLOURS if any(c[0] == k for c in collectives)]
     kinds += sorted({c[0] for c in collectives} - set(kinds))
     handles = [Patch(fc=KIND_COLOURS.get(k, "#eeeeee"), ec="#555555", label=k) for k in kinds]
-    handles.append(Line2D([], [], color="#555555", marker="o", label="send → recv (message)"))
+    message = "send → recv" + (f": {shared}" if shared else " (message)")
+    handles.append(Line2D([], [], color="#555555", marker="o", label=message))
     if dangling:
         handles.append(Line2D([], [], color="#d62728", ls="--", label="unmatched send / recv"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-              frameon=False)  # fmt: skip
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False
+    )
     counts = Counter(e.kind for e in events)
     auto = f"{len(everything)} events on ranks {lanes}: " + ", ".join(
         f"{k} ×{n}" for k, n in sorted(counts.items())
@@ -216,6 +251,26 @@ def plot_collectives(trace, *, by="seq", ax=None, max_events=200, title=None):
     return fig
 
 
+def _slots(instances, span, lane):
+    """Calls drawn in the same column whose lane ranges overlap get side-by-side slots:
+    ``{id(instance): (slot, slots in its column)}`` for those columns only."""
+    by_column = defaultdict(list)
+    for inst in instances:
+        lanes = [lane[g] for g in inst[0].group] + [lane[e.rank] for e in inst]
+        by_column[min(span[id(e)][0] for e in inst)].append((min(lanes), max(lanes), inst))
+    out = {}
+    for column in by_column.values():
+        ends: list[int] = []  # last lane used by each slot
+        placed = []
+        for lo, hi, inst in sorted(column, key=lambda c: c[:2]):
+            k = next((i for i, end in enumerate(ends) if end < lo), len(ends))
+            ends[k : k + 1] = [hi]
+            placed.append((k, inst))
+        if len(ends) > 1:
+            out.update({id(inst): (k, len(ends)) for k, inst in placed})
+    return out
+
+
 def _runs(sorted_lanes):
     """Consecutive lane indices as ``(first, last)`` runs: [0, 1, 3] -> [(0, 1), (3, 3)]."""
     runs = []
@@ -228,5 +283,17 @@ def _runs(sorted_lanes):
 
 
 def _arrow(ax, cls, start, stop, colour, style):
-    ax.add_patch(cls(start, stop, arrowstyle="-|>", mutation_scale=12, lw=1.3, color=colour,
-                     linestyle=style, zorder=5, shrinkA=3, shrinkB=3))  # fmt: skip
+    ax.add_artist(
+        cls(
+            start,
+            stop,
+            arrowstyle="-|>",
+            mutation_scale=12,
+            lw=1.3,
+            color=colour,
+            linestyle=style,
+            zorder=5,
+            shrinkA=3,
+            shrinkB=3,
+        )
+    )

@@ -74,20 +74,20 @@ def plot_halos(
     plan = _plan(sizes, kernel_size, stride, dilation, padding, padding_mode, transposed, sizes_w)
     require_matplotlib()
     if sizes_w is None:
-        fig = _plot_1d(plan, bytes_per_row, ax)
+        fig, ax = _plot_1d(plan, bytes_per_row, ax)
     else:
         from ._halos_2d import plot_2d
 
         fig = plot_2d(plan, bytes_per_row, ax)
     p = plan if sizes_w is None else plan.plans[0]
-    op = "conv_transpose" if transposed else "window op"
+    op = "conv_transpose" if transposed else "conv / pool"
     pad = p.padding if sizes_w is None else tuple(q.padding for q in plan.plans)
     auto = (
         f"{op}: kernel {kernel_size}, stride {stride}, dilation {dilation}, padding {pad} "
         f"{padding_mode}\n" + _sizes_text(plan)
     )
     if sizes_w is None:
-        fig.axes[-1].set_title(auto if title is None else title, fontsize=10)
+        ax.set_title(auto if title is None else title, fontsize=10)
     else:
         fig.suptitle(auto if title is None else title, fontsize=10)
     fig.shardlab_plan = plan
@@ -116,6 +116,7 @@ def window_in_input(p, r) -> tuple[int, int]:
 
 
 def _plot_1d(plan, bytes_per_row, ax):
+    """One lane per rank. Patches go in with add_artist: no autoscaling (limits are set)."""
     from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
     sizes = plan.in_sizes
@@ -127,16 +128,16 @@ def _plot_1d(plan, bytes_per_row, ax):
     mode = "zeros" if plan.transposed else plan.padding_mode
     for r in range(nranks):
         y = r
-        ax.add_patch(Rectangle((0, y - BAR), length, 2 * BAR, fc="none", ec="#999999", lw=0.6))
+        ax.add_artist(Rectangle((0, y - BAR), length, 2 * BAR, fc="none", ec="#999999", lw=0.6))
         if sizes[r]:
             own = Rectangle((starts[r], y - BAR), sizes[r], 2 * BAR, fc=rank_colour(r), alpha=0.5)
-            ax.add_patch(own)
-            ax.add_patch(
+            ax.add_artist(own)
+            ax.add_artist(
                 Rectangle((starts[r], y - BAR), sizes[r], 2 * BAR, fc="none", ec=rank_colour(r))
             )
         for src, start, stop in plan.recvs(r):
             halos.append((r, src, start, stop))
-            ax.add_patch(
+            ax.add_artist(
                 Rectangle(
                     (start, y - BAR),
                     stop - start,
@@ -161,7 +162,7 @@ def _plot_1d(plan, bytes_per_row, ax):
             )
             y0 = src + (BAR if src < r else -BAR)
             y1 = r - (BAR if src < r else -BAR)
-            ax.add_patch(
+            ax.add_artist(
                 FancyArrowPatch(
                     (x, y0),
                     (x, y1),
@@ -178,7 +179,7 @@ def _plot_1d(plan, bytes_per_row, ax):
             lo, hi = min(lo, i0), max(hi, i1)
             for a, b in ((i0, min(i1, 0)), (max(i0, length), i1)):
                 if b > a:
-                    ax.add_patch(
+                    ax.add_artist(
                         Rectangle(
                             (a, y - BAR),
                             b - a,
@@ -200,7 +201,7 @@ def _plot_1d(plan, bytes_per_row, ax):
                         zorder=4,
                         rotation=90 if b - a < 2 else 0,
                     )
-            ax.add_patch(
+            ax.add_artist(
                 Rectangle(
                     (i0, y - BAR - 0.08),
                     i1 - i0,
@@ -254,4 +255,4 @@ def _plot_1d(plan, bytes_per_row, ax):
     else:
         ax.legend(handles=handles, fontsize=7)
     fig.shardlab_halos = halos
-    return fig
+    return fig, ax

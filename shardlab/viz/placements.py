@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Shard
 
 from shardlab.layout import ShardLayout, format_sizes
 
@@ -77,7 +77,8 @@ def _title(layout: ShardLayout) -> str:
     for m, (p, entry) in enumerate(zip(layout.placements, layout.sizes)):
         shown = None if entry is None else entry[0] if len(entry) == 1 else entry
         parts.append(format_sizes(p, shown, m))
-    return ", ".join(parts)
+    joined = ", ".join(parts)
+    return ",\n".join(parts) if len(joined) > 72 else joined
 
 
 def _shape_text(shape) -> str:
@@ -139,6 +140,7 @@ def plot_placements(
         if r not in empty:
             groups.setdefault((rows, cols), []).append(r)
     partial = [p for p in layout.placements if isinstance(p, Partial)]
+    cut = sorted({p.dim for p in layout.placements if isinstance(p, Shard)} - set(dims))
 
     height = 2.3 if len(dims) < 2 else min(max(6.0 * nrows / max(ncols, 1), 2.0), 5.0) + 1.4
     fig, ax = new_figure((8.0, height), ax)
@@ -153,7 +155,7 @@ def plot_placements(
     for (rows, cols), ranks in groups.items():
         for k in reversed(range(len(ranks))):
             r = ranks[k]
-            ax.add_patch(
+            ax.add_artist(
                 Rectangle(
                     (cols[0], rows[0]),
                     cols[1] - cols[0],
@@ -169,31 +171,27 @@ def plot_placements(
                     zorder=2 + (len(ranks) - k) * 0.01,
                 )
             )
-        _block_text(ax, layout, coords, ranks, rows, cols, nrows, ncols, partial)
+        _block_text(ax, layout, coords, ranks, (rows, cols), (nrows, ncols), partial, cut)
 
-    for i, r in enumerate(empty):
-        rows, cols = box2(coords[r])
-        ax.plot(
-            [cols[0], cols[1]] if rows[0] == rows[1] else [cols[0], cols[0]],
-            [rows[0], rows[0]] if rows[0] == rows[1] else [rows[0], rows[1]],
-            color=rank_colour(r),
-            lw=5,
-            solid_capstyle="butt",
-            zorder=5,
-            clip_on=False,
-            transform=stacked(i),
-        )
+    marks: dict[tuple, list[int]] = {}  # empty shards at the same place share one label
+    for r in empty:
+        marks.setdefault(box2(coords[r]), []).append(r)
+    for (rows, cols), ranks in marks.items():
+        flat = rows[0] == rows[1]  # no rows: a horizontal line, else a vertical one
+        for i, r in enumerate(ranks):
+            dx, dy = (0, -3 * i) if flat else (3 * i, 0)
+            shift = ScaledTranslation(dx / 72, dy / 72, fig.dpi_scale_trans)
+            ax.plot(
+                [cols[0], cols[1] if flat else cols[0]],
+                [rows[0], rows[0] if flat else rows[1]],
+                color=rank_colour(r), lw=3, marker="o" if cols[0] == cols[1] else None,
+                solid_capstyle="butt", zorder=5, clip_on=False, transform=ax.transData + shift,
+            )  # fmt: skip
         ax.annotate(
-            f"∅ r{r}",
-            (cols[0], rows[0]),
-            xytext=(3, 3 + 10 * i),
-            textcoords="offset points",
-            fontsize=8,
-            color=rank_colour(r),
-            fontweight="bold",
-            zorder=6,
-            annotation_clip=False,
-        )
+            "empty: " + ", ".join(f"r{r}" for r in ranks), (cols[0], rows[0]), xytext=(4, 3),
+            textcoords="offset points", fontsize=8, zorder=6, annotation_clip=False,
+            bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
+        )  # fmt: skip
 
     ax.set_xlim(0, max(ncols, 1))
     ax.set_ylim(max(nrows, 1), 0)
@@ -258,7 +256,9 @@ def _axis_text(layout: ShardLayout, d: int) -> str:
     return f"dim {d} ({layout.global_shape[d]}): sizes {list(pieces)}"
 
 
-def _block_text(ax, layout, coords, ranks, rows, cols, nrows, ncols, partial) -> None:
+def _block_text(ax, layout, coords, ranks, box, extent, partial, cut) -> None:
+    """Rank(s), local shape and partial / replicated / stacked, as much as fits the block."""
+    (rows, cols), (nrows, ncols) = box, extent
     h, w = (rows[1] - rows[0]) / max(nrows, 1), (cols[1] - cols[0]) / max(ncols, 1)
     if w < 0.035 or h < 0.08:
         return
@@ -269,8 +269,8 @@ def _block_text(ax, layout, coords, ranks, rows, cols, nrows, ncols, partial) ->
         if partial and h >= 0.3:
             names = sorted({str(p.reduce_op) for p in partial})
             lines.append("partial " + "/".join(names))
-        elif len(ranks) > 1 and h >= 0.3:
-            lines.append("replicated")
+        elif len(ranks) > 1 and h >= 0.3:  # a hidden cut dim also stacks ranks
+            lines.append(f"slices of dim {', '.join(map(str, cut))}" if cut else "replicated")
     ax.text(
         (cols[0] + cols[1]) / 2,
         (rows[0] + rows[1]) / 2,
