@@ -15,7 +15,10 @@ __all__ = [
     "RankError",
     "Ranks",
     "ShardTensor",
+    "disable",
     "distribute",
+    "enable",
+    "patched",
     "scatter_tensor",
     "this_rank",
     "trace",
@@ -28,6 +31,9 @@ _LAZY = {
     "ShardTensor": "shardlab.tensor",
     "distribute": "shardlab.tensor",
     "scatter_tensor": "shardlab.tensor",
+    "enable": "shardlab.patch",
+    "disable": "shardlab.patch",
+    "patched": "shardlab.patch",
 }
 
 

@@ -122,9 +122,25 @@ class ShardTensor(DTensor):
         return _FromLocal.apply(local_tensor, mesh, layout)
 
     # -- leaving -----------------------------------------------------------
-    def to_local(self, *, grad_placements=None) -> torch.Tensor:  # noqa: ARG002
-        """This rank's block (differentiable)."""
-        return _ToLocal.apply(self)
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This rank's block (differentiable).
+
+        ``grad_placements`` says what the gradient of the block means, as in
+        DTensor: e.g. ``[Partial()]`` for a replicated weight used on local
+        rows, whose per-rank gradients must be summed.
+        """
+        grad_layout = self._layout
+        if grad_placements is not None:
+            places = _placements(grad_placements, self.device_mesh)
+            for p, q in zip(places, self._layout.placements):
+                if (isinstance(p, Shard) or isinstance(q, Shard)) and p != q:
+                    raise ValueError(
+                        "grad_placements may only change Replicate/Partial, got "
+                        f"{list(places)} for {list(self._layout.placements)}"
+                    )
+            grad_layout = ShardLayout(self._layout.global_shape, self._layout.mesh_shape,
+                                      places, self._layout.sizes)
+        return _ToLocal.apply(self, grad_layout)
 
     def redistribute(
         self, device_mesh=None, placements=None, *, sizes=None, async_op: bool = False, **_
@@ -221,13 +237,13 @@ class _FromLocal(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, st):
-        ctx.mesh, ctx.layout = st.device_mesh, st._layout
+    def forward(ctx, st, grad_layout):
+        ctx.mesh, ctx.layout = st.device_mesh, grad_layout
         return st._local_tensor.view_as(st._local_tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        return ShardTensor._wrap(grad, ctx.mesh, ctx.layout)
+        return ShardTensor._wrap(grad, ctx.mesh, ctx.layout), None
 
 
 class _Redistribute(torch.autograd.Function):

@@ -1,0 +1,234 @@
+"""Domain-parallel convolution: ``F.conv{1,2,3}d`` and ``F.conv_transpose{1,2,3}d``.
+
+An input (N, C, *spatial) sharded along spatial dims (any sizes, 1-D or 2-D
+mesh) or along the batch::
+
+    1. for each sharded spatial dim, in order: halo exchange (point to point,
+       exactly the rows the local windows read; corners on a 2-D mesh travel
+       with the second dim's exchange)               -> window (N, C, *W_local)
+    2. the plain torch op on the window, padding 0 on sharded dims
+       (conv_transpose: then crop to the rank's outputs)
+    3. output (N, C_out, *spatial_out) sharded like the input, exact sizes
+
+Backward: the halo gradients go back to their owners (same messages,
+reversed); the weight and bias gradients are Partial over the sharded mesh
+dims and summed when read (one all-reduce each), so plain ``nn.Parameter``
+gradients equal single device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardlab.layout import conv_plan, same_padding
+from shardlab.layout._checks import placement_str
+from shardlab.ops.halo import Halo, peers_along
+from shardlab.ops.registry import register
+
+
+def _tuple(name: str, value, n: int) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * n
+    value = tuple(value)
+    if len(value) == 1:
+        return value * n
+    if len(value) != n or not all(isinstance(v, int) for v in value):
+        raise ValueError(f"{name} must be an int or a tuple of {n} ints, got {value!r}")
+    return value
+
+
+def _paddings(padding, k, s, d, n, name):
+    """Per spatial dim (left, right), from an int, a tuple, 'same' or 'valid'."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return [(0, 0)] * n
+        if padding == "same":
+            if any(x != 1 for x in s):
+                raise ValueError(
+                    f"{name}: padding='same' is not supported for strided convolutions"
+                )
+            return [same_padding(ki, di) for ki, di in zip(k, d)]
+        raise ValueError(
+            f"{name}: invalid padding string {padding!r}, should be one of {{'valid', 'same'}}"
+        )
+    return [(p, p) for p in _tuple("padding", padding, n)]
+
+
+def replicated_param(t, mesh, input_placements):
+    """A weight/bias as a local tensor whose gradient is summed over the mesh dims
+    that shard the input (Partial), replicated over the others."""
+    from shardlab.tensor import ShardTensor, distribute
+
+    if t is None:
+        return None
+    if not isinstance(t, ShardTensor):
+        t = distribute(t, mesh, [Replicate()] * mesh.ndim)
+    elif not all(isinstance(p, Replicate) for p in t.placements):
+        raise NotImplementedError(
+            f"sharded conv needs a replicated weight and bias, got placements {t.placements}"
+        )
+    grads = [Partial() if isinstance(p, Shard) else Replicate() for p in input_placements]
+    return t.to_local(grad_placements=grads)
+
+
+def _conv(name: str, n: int, transposed: bool):
+    torch_op = getattr(torch, name)
+
+    def handler(input, weight, bias=None, stride=1, padding=0, *rest, **kwargs):
+        from shardlab.tensor import ShardTensor
+
+        if transposed:
+            output_padding, groups, dilation = (list(rest) + [0, 1, 1][len(rest) :])[:3]
+            output_padding = kwargs.get("output_padding", output_padding)
+        else:
+            dilation, groups = (list(rest) + [1, 1][len(rest) :])[:2]
+        dilation = kwargs.get("dilation", dilation)
+        groups = kwargs.get("groups", groups)
+        if not isinstance(input, ShardTensor):
+            raise NotImplementedError(f"{name}: only the input may be a sharded ShardTensor")
+        if input.ndim != n + 2:
+            raise ValueError(
+                f"{name}: expected a {n + 2}-D input (N, C, *{n} spatial dims), got {input.ndim}-D"
+            )
+        mesh, layout = input.device_mesh, input.layout
+        k = tuple(weight.shape[2:])
+        s, d = _tuple("stride", stride, n), _tuple("dilation", dilation, n)
+        pads = (
+            [(p, p) for p in _tuple("padding", padding, n)]
+            if transposed
+            else _paddings(padding, k, s, d, n, name)
+        )
+        out_pad = _tuple("output_padding", output_padding, n) if transposed else (0,) * n
+        for m, p in enumerate(layout.placements):
+            if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == 1):
+                raise NotImplementedError(
+                    f"{name}: input {placement_str(p)} on mesh dim {m} is not supported (shard "
+                    "the batch or "
+                    f"spatial dims); redistribute it to Replicate() first"
+                )
+        x = input.to_local()  # (N, C, *local spatial)
+        w = replicated_param(weight, mesh, layout.placements)
+        b = replicated_param(bias, mesh, layout.placements)
+        local_pad, local_out_pad, crops, out_sizes = [], [], {}, {}
+        for i in range(n):
+            dim = 2 + i
+            mesh_dims = [
+                m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim == dim
+            ]
+            if not mesh_dims:
+                local_pad.append(pads[i])
+                local_out_pad.append(out_pad[i])
+                continue
+            if len(mesh_dims) > 1:
+                raise NotImplementedError(f"{name}: a spatial dim sharded over two mesh dims")
+            m = mesh_dims[0]
+            plan = conv_plan(
+                layout.sizes_along(dim),
+                k[i],
+                s[i],
+                d[i],
+                pads[i],
+                transposed=transposed,
+                output_padding=out_pad[i],
+            )
+            peers, me = peers_along(mesh, m)
+            offset = layout.local_offset(tuple(mesh.get_coordinate()))[dim]
+            x = Halo.apply(x, plan, dim, peers, me, offset, 0.0, f"{name}.halo")
+            local_pad.append((0, 0))
+            local_out_pad.append(0)
+            crops[dim] = plan.crop(me)
+            out_sizes[m] = list(plan.out_sizes)
+        if any(x.shape[dim] == 0 for dim in crops) or any(
+            sizes_m[me_m] == 0 for sizes_m, me_m in _mine(out_sizes, mesh)
+        ):  # this rank owns no output: torch refuses an empty window, so build the
+            # empty result directly, still tied to x, w, b for the backward exchanges
+            y = _empty_output(
+                input,
+                weight,
+                x,
+                w,
+                b,
+                s,
+                pads,
+                d,
+                k,
+                out_pad,
+                out_sizes,
+                layout,
+                mesh,
+                transposed,
+                groups,
+            )
+        elif transposed:
+            sym = [lp[0] for lp in local_pad]
+            y = torch_op(x, w, b, s, sym, local_out_pad, groups, d)
+            for dim, (a, bnd) in crops.items():
+                y = y.narrow(dim, a, bnd - a)
+        else:
+            if any(lp[0] != lp[1] for lp in local_pad):
+                flat = [v for lp in reversed(local_pad) for v in lp]
+                x = torch.nn.functional.pad(x, flat)
+                local_pad = [(0, 0)] * n
+            y = torch_op(x, w, b, s, [lp[0] for lp in local_pad], d, groups)
+        sizes = []
+        for m, p in enumerate(layout.placements):
+            if isinstance(p, Shard) and p.dim == 0:
+                sizes.append(list(layout.sizes_along(0)))
+            else:
+                sizes.append(out_sizes.get(m))
+        shape = _global_out_shape(input.shape, weight, y, layout, out_sizes, transposed, groups)
+        return ShardTensor.from_local(y, mesh, layout.placements, sizes, shape=shape)
+
+    handler.__name__ = name
+    return handler
+
+
+def _mine(out_sizes, mesh):
+    coord = tuple(mesh.get_coordinate())
+    return [(sizes, coord[m]) for m, sizes in out_sizes.items()]
+
+
+def _empty_output(
+    input, weight, x, w, b, s, pads, d, k, out_pad, out_sizes, layout, mesh, transposed, groups
+):
+    from shardlab.layout import conv_out_length
+
+    coord = tuple(mesh.get_coordinate())
+    shape = [x.shape[0], weight.shape[1] * groups if transposed else weight.shape[0]]
+    for i in range(len(k)):
+        dim = 2 + i
+        m = next(
+            (m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim == dim),
+            None,
+        )
+        if m is not None:
+            shape.append(out_sizes[m][coord[m]])
+        else:
+            shape.append(
+                conv_out_length(
+                    input.shape[dim],
+                    k[i],
+                    s[i],
+                    d[i],
+                    *pads[i],
+                    transposed=transposed,
+                    output_padding=out_pad[i],
+                )
+            )
+    tie = x.sum() * 0 + w.sum() * 0 + (b.sum() * 0 if b is not None else 0)
+    return x.new_zeros(shape) + tie
+
+
+def _global_out_shape(in_shape, weight, y, layout, out_sizes, transposed, groups):
+    shape = list(y.shape)
+    shape[0] = in_shape[0]
+    for m, p in enumerate(layout.placements):
+        if isinstance(p, Shard) and p.dim >= 2:
+            shape[p.dim] = sum(out_sizes[m])
+    return shape
+
+
+for _n in (1, 2, 3):
+    register(f"conv{_n}d")(_conv(f"conv{_n}d", _n, transposed=False))
+    register(f"conv_transpose{_n}d")(_conv(f"conv_transpose{_n}d", _n, transposed=True))

@@ -1,0 +1,105 @@
+"""Halo exchange along one sharded dim: each rank assembles the window its outputs read.
+
+::
+
+    rank r-1 [ ...  a b ] rank r [ c d e f ] rank r+1 [ g h ... ]      k = 3, 'same'
+                     b ──────────▶ window [ b c d e f g ] ◀──────── g
+
+What moves is exactly :class:`shardlab.layout.ConvPlan` ``recvs`` (the rows the
+window reads that the rank does not own, from any rank: multi-hop when shards
+are smaller than the halo), point to point. Backward is the mirror image: the
+gradient of each received row goes back to its owner and is added there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardlab.layout import ConvPlan
+from shardlab.trace import label
+
+
+def _exchange(sends, recvs):
+    """Post all sends and receives at once; return when they are done."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class Halo(torch.autograd.Function):
+    """``window = Halo.apply(local, plan, dim, peers, me, offset, fill, cause)``.
+
+    ``peers[k]`` is the global rank of plan rank ``k``; ``offset`` is the global
+    index of ``local``'s first row along ``dim``; ``fill`` is the padding value.
+    """
+
+    @staticmethod
+    def forward(ctx, local, plan: ConvPlan, dim, peers, me, offset, fill, cause):
+        ctx.plan, ctx.dim, ctx.peers, ctx.me, ctx.offset = plan, dim, peers, me, offset
+        ctx.local_len, ctx.cause = local.shape[dim], cause
+        rows = lambda t, a, b: t.narrow(dim, a - offset, b - a)  # noqa: E731
+        recv_bufs = []
+        for src, a, b in plan.recvs(me):
+            shape = list(local.shape)
+            shape[dim] = b - a
+            recv_bufs.append(local.new_empty(shape))
+        with label(cause, "forward"):
+            _exchange(
+                [(peers[d], rows(local, a, b)) for d, a, b in plan.sends(me)],
+                [(peers[s], buf) for (s, _, _), buf in zip(plan.recvs(me), recv_bufs)],
+            )
+        received = iter(recv_bufs)
+        parts = [
+            rows(local, a, b) if src == me else next(received) for src, a, b in plan.blocks(me)
+        ]
+        pad_shape = list(local.shape)
+        pad_shape[dim] = 1
+        parts.append(local.new_full(pad_shape, fill))
+        buf = torch.cat(parts, dim)
+        idx = torch.tensor(plan.local_index(me), dtype=torch.long, device=local.device)
+        idx[idx < 0] = buf.shape[dim] - 1
+        ctx.buf_len, ctx.idx = buf.shape[dim], idx
+        return buf.index_select(dim, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, dim, me, offset = ctx.plan, ctx.dim, ctx.me, ctx.offset
+        shape = list(grad.shape)
+        shape[dim] = ctx.buf_len
+        g_buf = grad.new_zeros(shape).index_add_(dim, ctx.idx, grad)
+        shape[dim] = ctx.local_len
+        g_local = grad.new_zeros(shape)
+        pos, back = 0, []
+        for src, a, b in plan.blocks(me):
+            part = g_buf.narrow(dim, pos, b - a)
+            pos += b - a
+            if src == me:
+                g_local.narrow(dim, a - offset, b - a).add_(part)
+            else:
+                back.append((ctx.peers[src], part))
+        incoming = []
+        for _, a, b in plan.sends(me):
+            shape[dim] = b - a
+            incoming.append(grad.new_empty(shape))
+        with label(ctx.cause, "backward"):
+            _exchange(
+                back, [(ctx.peers[d], buf) for (d, _, _), buf in zip(plan.sends(me), incoming)]
+            )
+        for (_, a, b), buf in zip(plan.sends(me), incoming):
+            g_local.narrow(dim, a - offset, b - a).add_(buf)
+        return g_local, None, None, None, None, None, None, None
+
+
+def peers_along(mesh, mesh_dim: int) -> tuple[list[int], int]:
+    """Global ranks of the ranks that share my coordinates except along ``mesh_dim``."""
+    from shardlab.tensor.comm import my_coord, rank_at
+
+    me = my_coord(mesh)
+    peers = [
+        rank_at(mesh, me[:mesh_dim] + (k,) + me[mesh_dim + 1 :])
+        for k in range(mesh.shape[mesh_dim])
+    ]
+    return peers, me[mesh_dim]

@@ -1,0 +1,102 @@
+"""Route ``torch.nn.functional`` calls on ShardTensors to shardlab (the only wrapt module).
+
+::
+
+    with shardlab.patched():           # or shardlab.enable() ... shardlab.disable()
+        y = nn.Conv2d(3, 8, 3, padding=1)(x)   # x a ShardTensor -> halo convolution
+        z = F.conv2d(torch.randn(1, 3, 8, 8), w)  # plain tensors -> torch, unchanged
+
+Each patched name is replaced by a wrapt ``FunctionWrapper`` around the
+original: a call whose positional or keyword arguments include a ShardTensor
+goes to the handler registered for that name in :mod:`shardlab.ops.registry`;
+any other call goes to the original, with identical results and errors.
+Patching is idempotent and thread-safe; ``disable()`` and leaving
+``patched()`` (also on an exception) restore the original objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch.nn.functional as F
+import wrapt
+
+__all__ = ["PATCHED_NAMES", "disable", "enable", "is_enabled", "patched"]
+
+PATCHED_NAMES = (
+    "conv1d", "conv2d", "conv3d",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "pad", "scaled_dot_product_attention", "cross_entropy",
+)  # fmt: skip
+
+_LOCK = threading.RLock()
+_ORIGINALS: dict[str, object] = {}
+
+
+def _has_shard_tensor(args, kwargs) -> bool:
+    from shardlab.tensor import ShardTensor
+
+    for a in args:
+        if isinstance(a, ShardTensor):
+            return True
+    for a in kwargs.values():
+        if isinstance(a, ShardTensor):
+            return True
+    return False
+
+
+def _router(name: str):
+    def route(wrapped, instance, args, kwargs):
+        if not _has_shard_tensor(args, kwargs):
+            return wrapped(*args, **kwargs)
+        from shardlab.ops import HANDLERS, supported
+
+        handler = HANDLERS.get(name)
+        if handler is None:
+            raise NotImplementedError(
+                f"torch.nn.functional.{name} has no sharded implementation yet; shardlab "
+                f"handles {supported()} on ShardTensors. Redistribute the arguments to "
+                "Replicate() and call it on .full_tensor(), or disable the patches."
+            )
+        return handler(*args, **kwargs)
+
+    return route
+
+
+def enable() -> None:
+    """Patch every name in :data:`PATCHED_NAMES` (a second call changes nothing)."""
+    import shardlab.ops  # noqa: F401  (registers the handlers)
+
+    with _LOCK:
+        for name in PATCHED_NAMES:
+            if name in _ORIGINALS:
+                continue
+            original = getattr(F, name)
+            _ORIGINALS[name] = original
+            setattr(F, name, wrapt.FunctionWrapper(original, _router(name)))
+
+
+def disable() -> None:
+    """Put the original functions back (a second call changes nothing)."""
+    with _LOCK:
+        for name, original in list(_ORIGINALS.items()):
+            setattr(F, name, original)
+            del _ORIGINALS[name]
+
+
+def is_enabled() -> bool:
+    return bool(_ORIGINALS)
+
+
+@contextlib.contextmanager
+def patched():
+    """Patch inside the block; afterwards the patches are as they were before it."""
+    with _LOCK:
+        was = is_enabled()
+        enable()
+    try:
+        yield
+    finally:
+        if not was:
+            disable()

@@ -1,0 +1,283 @@
+"""Halo convolution against single-device torch: forward, input, weight and bias gradients."""
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+import shardlab
+from shardlab import distribute, this_rank
+from shardlab.layout import conv_plan
+from tests.tensor._cases import random_sizes
+
+
+def _random_config(rng):
+    n = rng.choice([1, 1, 2, 2, 3])
+    transposed = rng.random() < 0.3
+    k = [rng.randint(1, 4) for _ in range(n)]
+    s = [rng.randint(1, 3) for _ in range(n)]
+    d = [rng.randint(1, 2) for _ in range(n)]
+    groups = rng.choice([1, 1, 2])
+    cin, cout = 2 * groups, rng.choice([1, 2]) * groups
+    if transposed:
+        padding = [rng.randint(0, 2) for _ in range(n)]
+        out_pad = [rng.randint(0, max(s[i], d[i]) - 1) for i in range(n)]
+        mode = "zeros"
+    else:
+        padding = rng.choice(
+            ["same", "valid", rng.randint(0, 2), [rng.randint(0, 2) for _ in range(n)]]
+        )
+        if padding == "same":
+            s = [1] * n
+        out_pad = [0] * n
+        mode = rng.choice(["zeros", "zeros", "reflect", "replicate", "circular"])
+        if mode != "zeros" and padding in ("same", "valid"):
+            padding = 1
+    spatial = [rng.randint(1, 9) for _ in range(n)]
+    return dict(
+        n=n,
+        transposed=transposed,
+        k=k,
+        s=s,
+        d=d,
+        groups=groups,
+        cin=cin,
+        cout=cout,
+        padding=padding,
+        out_pad=out_pad,
+        mode=mode,
+        spatial=spatial,
+        bias=rng.random() < 0.7,
+        batch=rng.randint(1, 2),
+    )
+
+
+def _module(cfg):
+    n = cfg["n"]
+    if cfg["transposed"]:
+        cls = [nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d][n - 1]
+        return cls(
+            cfg["cin"],
+            cfg["cout"],
+            cfg["k"],
+            cfg["s"],
+            cfg["padding"],
+            cfg["out_pad"],
+            cfg["groups"],
+            cfg["bias"],
+            cfg["d"],
+        ).double()
+    cls = [nn.Conv1d, nn.Conv2d, nn.Conv3d][n - 1]
+    return cls(
+        cfg["cin"],
+        cfg["cout"],
+        cfg["k"],
+        cfg["s"],
+        cfg["padding"],
+        cfg["d"],
+        cfg["groups"],
+        cfg["bias"],
+        cfg["mode"],
+    ).double()
+
+
+def _sweep(mesh_shape, cases, seed):
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        rng = random.Random(seed)
+        done, seen = 0, set()
+        while done < cases:
+            cfg = _random_config(rng)
+            torch.manual_seed(done)
+            conv = _module(cfg)
+            shape = [cfg["batch"], cfg["cin"], *cfg["spatial"]]
+            g = torch.randn(shape, dtype=torch.float64)
+            try:
+                xr = g.clone().requires_grad_()
+                ref = conv(xr)
+            except RuntimeError:
+                continue  # torch itself rejects this configuration
+            w_out = torch.randn(ref.shape, dtype=torch.float64)
+            (ref * w_out).sum().backward()
+            ref_grads = [p.grad.clone() for p in conv.parameters()]
+            conv.zero_grad(set_to_none=True)
+            # shard one spatial dim per mesh dim (or the batch on the first mesh dim)
+            dims = rng.sample(range(2, 2 + cfg["n"]), min(len(mesh_shape), cfg["n"]))
+            if len(dims) < len(mesh_shape) or rng.random() < 0.1:
+                dims = [0] + dims[: len(mesh_shape) - 1]
+            dims += [None] * (len(mesh_shape) - len(dims))
+            placements = [Shard(dm) if dm is not None else Replicate() for dm in dims]
+            sizes = [
+                random_sizes(rng, shape[dm], mesh_shape[m]) if dm is not None else None
+                for m, dm in enumerate(dims)
+            ]
+            x = g.clone().requires_grad_()
+            with shardlab.patched():
+                st = distribute(x, mesh, placements, sizes=sizes)
+                with shardlab.trace() as t:
+                    y = conv(st)
+            out = y.full_tensor()
+            assert torch.allclose(out, ref, atol=1e-10), cfg
+            (out * w_out).sum().backward()
+            assert torch.allclose(x.grad, xr.grad, atol=1e-10), cfg
+            for p, r in zip(conv.parameters(), ref_grads):
+                assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, r, atol=1e-10), cfg
+            # communication: only point-to-point halo rows (no collective in forward)
+            assert set(t.counts()) <= {"send", "recv"}, (cfg, t.counts())
+            seen.add((cfg["n"], cfg["transposed"], cfg["mode"], str(cfg["padding"])[:4]))
+            done += 1
+        return done, len(seen)
+
+    return body
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_conv_sweep_1d_mesh(ranks_for, world):
+    got = ranks_for(world).run(_sweep((world,), 60, seed=world))
+    assert got[0][0] == 60 and got[0][1] >= 15
+
+
+def test_conv_sweep_2d_mesh(ranks_for):
+    got = ranks_for(4).run(_sweep((2, 2), 50, seed=11))
+    assert got[0][0] == 50
+
+
+CASES = [  # (name, spatial, k, s, d, padding, sizes) the known-hard ones, 1-D on 3 ranks
+    ("stride 2 kernel 3", 11, 3, 2, 1, 1, [4, 3, 4]),
+    ("kernel 2 stride 2 odd shards", 9, 2, 2, 1, 0, [3, 3, 3]),
+    ("dilation 2", 10, 3, 1, 2, 2, [4, 2, 4]),
+    ("same", 8, 4, 1, 1, "same", [3, 2, 3]),
+    ("shards of size 1", 3, 3, 1, 1, 1, [1, 1, 1]),
+    ("multi-hop halo", 9, 5, 1, 2, 4, [4, 1, 4]),
+    ("empty shard", 7, 3, 1, 1, 1, [4, 0, 3]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_named_cases_and_exact_bytes(ranks_for, case):
+    name, length, k, s, d, padding, sizes = case
+
+    def body():
+        mesh = this_rank().mesh
+        me = this_rank().rank
+        torch.manual_seed(0)
+        conv = nn.Conv1d(2, 3, k, s, padding, d).double()
+        g = torch.randn(2, 2, length, dtype=torch.float64)
+        ref = conv(g)
+        x = g.clone().requires_grad_()
+        with shardlab.patched():
+            st = distribute(x, mesh, [Shard(2)], sizes=sizes)
+            with shardlab.trace() as t:
+                y = conv(st)
+                y.full_tensor().sum().backward()
+        pads = (padding, padding) if isinstance(padding, int) else (1, 2)
+        plan = conv_plan(sizes, k, s, d, pads)
+        row = 2 * 2 * 8  # batch x channels x float64
+        halo = t.filter(label="conv1d.halo forward")
+        back = t.filter(label="conv1d.halo backward")
+        return (
+            torch.allclose(y.full_tensor(), ref, atol=1e-12),
+            list(y.layout.sizes_along(2)) == list(plan.out_sizes),
+            halo.bytes(kind="recv") == plan.rows_received(me) * row,
+            halo.bytes(kind="send") == plan.bytes_per_element_sent(me) * row,
+            back.bytes(kind="send") == plan.rows_received(me) * row,
+            back.bytes(kind="recv") == plan.bytes_per_element_sent(me) * row,
+        )
+
+    for r in ranks_for(3).run(body):
+        assert all(r), r
+
+
+def test_small_cnn_unchanged(ranks_for):
+    """conv -> relu -> conv -> global mean -> linear, from nn modules, on 4 uneven H shards."""
+
+    def body():
+        mesh = this_rank().mesh
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        ).double()
+        head = nn.Linear(8, 5).double()
+        g = torch.randn(2, 3, 13, 10, dtype=torch.float64)
+        xr = g.clone().requires_grad_()
+        ref = head(model(xr).mean((2, 3)))
+        ref.square().sum().backward()
+        ref_grads = [p.grad.clone() for p in [*model.parameters(), *head.parameters()]]
+        for p in [*model.parameters(), *head.parameters()]:
+            p.grad = None
+        x = g.clone().requires_grad_()
+        with shardlab.patched():
+            st = distribute(x, mesh, [Shard(2)], sizes=[5, 1, 4, 3])
+            out = head(model(st).mean((2, 3)))
+        out.full_tensor().square().sum().backward()
+        ok = torch.allclose(out.full_tensor(), ref, atol=1e-12)
+        ok &= torch.allclose(x.grad, xr.grad, atol=1e-12)
+        for p, r in zip([*model.parameters(), *head.parameters()], ref_grads):
+            ok &= torch.allclose(p.grad, r, atol=1e-12)
+        return bool(ok)
+
+    assert ranks_for(4).run(body) == [True] * 4
+
+
+def test_bad_input_is_a_clear_error_on_every_rank(ranks_for):
+    def body():
+        mesh = this_rank().mesh
+        errors = []
+        with shardlab.patched():
+            x = distribute(torch.randn(1, 4, 6), mesh, [Shard(1)])
+            try:
+                torch.nn.functional.conv1d(x, torch.randn(2, 4, 3))
+            except NotImplementedError as exc:
+                errors.append(str(exc))
+            x = distribute(torch.randn(1, 2, 6), mesh, [Shard(2)])
+            try:
+                torch.nn.functional.conv1d(x, torch.randn(2, 2, 3), padding="sideways")
+            except ValueError as exc:
+                errors.append(str(exc))
+            try:
+                torch.nn.functional.conv1d(x, torch.randn(2, 2, 9))
+            except ValueError as exc:
+                errors.append(str(exc))
+        return errors
+
+    for errors in ranks_for(2).run(body):
+        assert len(errors) == 3
+        assert "Shard(dim=1)" in errors[0] or "Shard(1)" in errors[0]
+        assert "padding" in errors[1]
+
+
+def test_two_d_mesh_exact_bytes_with_corners(ranks_for):
+    """H on mesh dim 0, W on mesh dim 1: H halos first, then W halos of the H-extended
+    window, which carry the corners. Each rank receives exactly what its window lacks."""
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2))
+        i, j = mesh.get_coordinate()
+        h_sizes, w_sizes = [4, 3], [2, 5]
+        torch.manual_seed(0)
+        conv = nn.Conv2d(2, 3, 3, padding=1).double()
+        g = torch.randn(1, 2, 7, 7, dtype=torch.float64)
+        x = g.clone().requires_grad_()
+        with shardlab.patched():
+            st = distribute(x, mesh, [Shard(2), Shard(3)], sizes=[h_sizes, w_sizes])
+            with shardlab.trace(mesh=mesh) as t:
+                y = conv(st)
+        ok = torch.allclose(y.full_tensor(), conv(g), atol=1e-12)
+        ph, pw = conv_plan(h_sizes, 3, 1, 1, (1, 1)), conv_plan(w_sizes, 3, 1, 1, (1, 1))
+        a, b = ph.window(i)
+        row = 1 * 2 * 8
+        want = ph.rows_received(i) * w_sizes[j] * row + pw.rows_received(j) * (b - a) * row
+        got = t.bytes(kind="recv")
+        corners = {e.peer for e in t.filter(kind="recv").events}
+        return ok, got == want, got, want, sorted(corners)
+
+    for ok, exact, got, want, _ in ranks_for(4).run(body):
+        assert ok and exact, (got, want)

@@ -1,0 +1,120 @@
+"""The wrapt patches: routing, identical plain calls, idempotent, reversible, thread-safe."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Shard
+
+import shardlab
+from shardlab import patch
+from shardlab.patch import PATCHED_NAMES
+
+
+def _originals():
+    return {name: getattr(F, name) for name in PATCHED_NAMES}
+
+
+def test_enable_disable_idempotent_and_reversible():
+    before = _originals()
+    assert not patch.is_enabled()
+    shardlab.enable()
+    shardlab.enable()
+    wrapped = _originals()
+    assert all(wrapped[n] is not before[n] for n in PATCHED_NAMES)
+    assert all(getattr(F, n).__wrapped__ is before[n] for n in PATCHED_NAMES)
+    shardlab.disable()
+    shardlab.disable()
+    assert _originals() == before and not patch.is_enabled()
+
+
+def test_context_restores_even_on_exception():
+    before = _originals()
+    with pytest.raises(KeyError):
+        with shardlab.patched():
+            assert patch.is_enabled()
+            with shardlab.patched():  # nested: the outer one still owns the patches
+                pass
+            assert patch.is_enabled()
+            raise KeyError
+    assert _originals() == before
+    shardlab.enable()
+    with shardlab.patched():
+        pass
+    assert patch.is_enabled()  # it was enabled before the block: stays enabled
+    shardlab.disable()
+    assert _originals() == before
+
+
+def test_plain_calls_identical_results_and_errors():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3)
+    logits, target = torch.randn(5, 7), torch.randint(0, 7, (5,))
+    q = torch.randn(1, 2, 4, 8)
+    calls = [
+        lambda: F.conv2d(x, w, padding=1, stride=2),
+        lambda: F.conv1d(x[:, :, 0], w[:, :, 0], padding="same"),
+        lambda: F.conv_transpose2d(x, w.transpose(0, 1), stride=2, output_padding=1),
+        lambda: F.pad(x, (1, 2, 2, 1), mode="reflect"),
+        lambda: F.cross_entropy(logits, target, label_smoothing=0.1),
+        lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+        lambda: torch.nn.Conv2d(3, 4, 3, padding_mode="circular", padding=1)(x),
+    ]
+    bad = [
+        lambda: F.conv2d(x, w[:, :2]),
+        lambda: F.pad(x, (1,), mode="reflect"),
+        lambda: F.cross_entropy(logits, target + 10),
+    ]
+    torch.manual_seed(1)
+    want = [c() for c in calls]
+    want_err = []
+    for c in bad:
+        with pytest.raises(Exception) as info:
+            c()
+        want_err.append((type(info.value), str(info.value)))
+    with shardlab.patched():
+        torch.manual_seed(1)
+        got = [c() for c in calls]
+        for c, (etype, msg) in zip(bad, want_err):
+            with pytest.raises(etype) as info:
+                c()
+            assert str(info.value) == msg
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_thread_safe_enable_disable():
+    before = _originals()
+
+    def churn():
+        for _ in range(200):
+            with shardlab.patched():
+                F.conv1d(torch.ones(1, 1, 4), torch.ones(1, 1, 2))
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    shardlab.disable()
+    assert _originals() == before
+
+
+def test_shard_tensor_routes_and_unhandled_names_say_what_is_supported(ranks_for):
+    def body():
+        mesh = shardlab.this_rank().mesh
+        with shardlab.patched():
+            x = shardlab.distribute(torch.randn(2, 3, 8), mesh, [Shard(2)])
+            y = F.conv1d(x, torch.randn(4, 3, 3), padding=1)
+            try:
+                F.scaled_dot_product_attention(x, x, x)
+                msg = None
+            except NotImplementedError as exc:
+                msg = str(exc)
+        still = F.conv1d is patch._ORIGINALS.get("conv1d", F.conv1d)
+        return type(y).__name__, msg, still
+
+    for kind, msg, _ in ranks_for(2).run(body):
+        assert kind == "ShardTensor"
+        assert "scaled_dot_product_attention" in msg and "conv2d" in msg
