@@ -42,7 +42,7 @@ class Halo(torch.autograd.Function):
         ctx.local_len, ctx.cause = local.shape[dim], cause
         rows = lambda t, a, b: t.narrow(dim, a - offset, b - a)  # noqa: E731
         recv_bufs = []
-        for src, a, b in plan.recvs(me):
+        for _src, a, b in plan.recvs(me):
             shape = list(local.shape)
             shape[dim] = b - a
             recv_bufs.append(local.new_empty(shape))
