@@ -3,7 +3,7 @@
 Importing this package registers every handler in :mod:`.registry`.
 """
 
-from shardlab.ops import conv, pad  # noqa: F401  (register their handlers)
+from shardlab.ops import attention, conv, cross_entropy, pad  # noqa: F401  (register handlers)
 from shardlab.ops.registry import HANDLERS, register, supported
 
 __all__ = ["HANDLERS", "register", "supported"]

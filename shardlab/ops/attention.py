@@ -1,0 +1,1 @@
+"""Ring attention (placeholder: filled in by the attention work)."""
