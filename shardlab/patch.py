@@ -32,17 +32,18 @@ PATCHED_NAMES = (
 
 _LOCK = threading.RLock()
 _ORIGINALS: dict[str, object] = {}
+_SHARD_TENSOR: list = []  # the ShardTensor class, looked up once by enable()
 
 
 def _has_shard_tensor(args, kwargs) -> bool:
-    from shardlab.tensor import ShardTensor
-
+    st = _SHARD_TENSOR[0]
     for a in args:
-        if isinstance(a, ShardTensor):
+        if isinstance(a, st):
             return True
-    for a in kwargs.values():
-        if isinstance(a, ShardTensor):
-            return True
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, st):
+                return True
     return False
 
 
@@ -67,8 +68,10 @@ def _router(name: str):
 def enable() -> None:
     """Patch every name in :data:`PATCHED_NAMES` (a second call changes nothing)."""
     import shardlab.ops  # noqa: F401  (registers the handlers)
+    from shardlab.tensor import ShardTensor
 
     with _LOCK:
+        _SHARD_TENSOR[:] = [ShardTensor]
         for name in PATCHED_NAMES:
             if name in _ORIGINALS:
                 continue

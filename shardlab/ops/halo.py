@@ -55,21 +55,41 @@ class Halo(torch.autograd.Function):
         parts = [
             rows(local, a, b) if src == me else next(received) for src, a, b in plan.blocks(me)
         ]
+        index = plan.local_index(me)
+        total = sum(b - a for _, a, b in plan.blocks(me))
+        ctx.buf_len = total + 1
+        lead, trail = _edges(index, total)
+        if lead is not None:  # common case: [pad]*lead + every row in order + [pad]*trail
+            ctx.idx = None
+            pad_shape = list(local.shape)
+            pieces = []
+            if lead:
+                pad_shape[dim] = lead
+                pieces.append(local.new_full(pad_shape, fill))
+            pieces += parts
+            if trail:
+                pad_shape[dim] = trail
+                pieces.append(local.new_full(pad_shape, fill))
+            ctx.lead = lead
+            return torch.cat(pieces, dim) if pieces else local.narrow(dim, 0, 0).clone()
         pad_shape = list(local.shape)
         pad_shape[dim] = 1
         parts.append(local.new_full(pad_shape, fill))
-        buf = torch.cat(parts, dim)
-        idx = torch.tensor(plan.local_index(me), dtype=torch.long, device=local.device)
+        buf = torch.cat(parts, dim)  # reflect / circular / dilation gaps: gather by index
+        idx = torch.tensor(index, dtype=torch.long, device=local.device)
         idx[idx < 0] = buf.shape[dim] - 1
-        ctx.buf_len, ctx.idx = buf.shape[dim], idx
+        ctx.idx = idx
         return buf.index_select(dim, idx)
 
     @staticmethod
     def backward(ctx, grad):
         plan, dim, me, offset = ctx.plan, ctx.dim, ctx.me, ctx.offset
         shape = list(grad.shape)
-        shape[dim] = ctx.buf_len
-        g_buf = grad.new_zeros(shape).index_add_(dim, ctx.idx, grad)
+        if ctx.idx is None:  # the window is the rows in order: its gradient too
+            g_buf = grad.narrow(dim, ctx.lead, ctx.buf_len - 1)
+        else:
+            shape[dim] = ctx.buf_len
+            g_buf = grad.new_zeros(shape).index_add_(dim, ctx.idx, grad)
         shape[dim] = ctx.local_len
         g_local = grad.new_zeros(shape)
         pos, back = 0, []
@@ -91,6 +111,20 @@ class Halo(torch.autograd.Function):
         for (_, a, b), buf in zip(plan.sends(me), incoming):
             g_local.narrow(dim, a - offset, b - a).add_(buf)
         return g_local, None, None, None, None, None, None, None
+
+
+def _edges(index, total):
+    """(lead, trail) if ``index`` is ``[pad] * lead + [0 .. total-1] + [pad] * trail``."""
+    lead = 0
+    while lead < len(index) and index[lead] < 0:
+        lead += 1
+    body = index[lead : lead + total]
+    if list(body) != list(range(total)):
+        return None, None
+    rest = index[lead + total :]
+    if any(i >= 0 for i in rest):
+        return None, None
+    return lead, len(rest)
 
 
 def peers_along(mesh, mesh_dim: int) -> tuple[list[int], int]:

@@ -1,0 +1,175 @@
+"""Domain-parallel convolution: bytes per rank, peak memory per rank, patch overhead.
+
+Run: ``python benchmarks/bench_conv.py [--size 1024] [--channels 16] [--ranks 4]``.
+
+1. Bytes each rank sends for one nn.Conv2d(k=3, padding=1) forward on an image sharded
+   over H, against the receptive-field lower bound and against DTensor's own conv2d on
+   the same layout (which exchanges nothing and returns a wrong result, see DESIGN.md).
+2. Peak memory per rank of forward + backward of 3 conv layers: the growth of the
+   process's peak RSS (``ru_maxrss``) during the step, each configuration in a fresh
+   pool, with glibc's mmap threshold pinned so that tensors are mmapped and RSS follows
+   live tensor memory.
+   Target: at most 1/N of single device plus the halo, +10 %.
+3. Overhead of a patched ``F.conv2d`` call on plain tensors against the unpatched one.
+   Target: at most 2 us or 2 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+
+
+def _fixed_mmap_threshold():
+    """glibc raises its mmap threshold after large frees (up to 32 MiB), after which big
+    tensors live on the heap and RSS stops following live memory: pin it at 128 KiB."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    except OSError:
+        pass
+
+
+def _memory_step(size, channels, sharded, warmup=True):
+    import resource
+
+    _fixed_mmap_threshold()
+    if warmup:  # first calls initialise caches and buffers: not the step's memory
+        _memory_step(max(size // 16, 16), channels, sharded, warmup=False)
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    import shardlab
+    from shardlab.layout import chunk_sizes
+
+    torch.manual_seed(0)
+    me, n = dist.get_rank(), dist.get_world_size()
+    model = torch.nn.Sequential(
+        *[torch.nn.Conv2d(channels, channels, 3, padding=1) for _ in range(3)]
+    )
+    rows = chunk_sizes(size, n)[me] if sharded else size
+    local = torch.randn(1, channels, rows, size)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with shardlab.patched():
+        x = (
+            shardlab.ShardTensor.from_local(local, shardlab.this_rank().mesh, [Shard(2)])
+            if sharded
+            else local.requires_grad_()
+        )
+        y = model(x)
+        loss = y.square().sum()
+        loss = loss.full_tensor() if sharded else loss
+        loss.backward()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return after - before, local.numel() * 4
+
+
+def _bytes(size, channels):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    import shardlab
+    from shardlab.layout import chunk_sizes, conv_plan
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    mesh = shardlab.this_rank().mesh
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+    img = torch.randn(1, channels, size, size)
+    sizes = list(chunk_sizes(size, n))
+    with shardlab.patched():
+        x = shardlab.distribute(img, mesh, [Shard(2)], sizes=[sizes])
+        with shardlab.trace() as t:
+            y = conv(x)
+    ours = t.bytes(kind="send")
+    bound = conv_plan(sizes, 3, 1, 1, (1, 1)).bytes_per_element_sent(me) * channels * size * 4
+    ref = conv(img)
+    err_ours = (y.full_tensor() - ref).abs().max().item()
+    try:
+        dx = DTensor.from_local(x.to_local().detach(), mesh, [Shard(2)])
+        with shardlab.trace() as t2:
+            dy = torch.nn.functional.conv2d(dx, conv.weight.detach(), conv.bias.detach(), padding=1)
+        theirs = t2.bytes(kind="send") + t2.bytes(kind="all_reduce")
+        local = dy.to_local() if isinstance(dy, DTensor) else dy
+        start = sum(sizes[:me])
+        err_theirs = (
+            (local - ref[:, :, start : start + sizes[me]]).abs().max().item()
+            if local.shape == ref[:, :, start : start + sizes[me]].shape
+            else float("nan")
+        )
+        theirs = f"{theirs} B, max error {err_theirs:.2g}"
+    except Exception as exc:  # noqa: BLE001
+        theirs = f"error: {type(exc).__name__}"
+    return ours, bound, err_ours, theirs
+
+
+def _overhead(reps=20000, rounds=9):
+    """Best-of-``rounds`` per-call time, plain and patched rounds interleaved."""
+    import torch
+    import torch.nn.functional as F
+
+    import shardlab
+
+    x, w = torch.randn(1, 1, 8, 8), torch.randn(1, 1, 3, 3)
+    call = lambda: F.conv2d(x, w)  # noqa: E731
+    best = {"plain": float("inf"), "patched": float("inf")}
+    for _ in range(rounds):
+        best["plain"] = min(best["plain"], timeit.timeit(call, number=reps) / reps)
+        with shardlab.patched():
+            best["patched"] = min(best["patched"], timeit.timeit(call, number=reps) / reps)
+    return best
+
+
+def main() -> None:
+    import shardlab
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--channels", type=int, default=16)
+    ap.add_argument("--ranks", type=int, default=4)
+    a = ap.parse_args()
+    n = a.ranks
+    with shardlab.Ranks(n) as ranks:
+        rows = ranks.run(_bytes, a.size, a.channels)
+    print(
+        f"## bytes sent per rank, nn.Conv2d({a.channels}, {a.channels}, 3, padding=1) on "
+        f"(1, {a.channels}, {a.size}, {a.size}) float32 sharded over H on {n} ranks"
+    )
+    print("| rank | shardlab bytes | lower bound | max error | DTensor conv2d |")
+    print("|---|---|---|---|---|")
+    for r, (ours, bound, err, theirs) in enumerate(rows):
+        print(f"| {r} | {ours} | {bound} | {err:.1e} | {theirs} |")
+    with shardlab.Ranks(1) as one:
+        single, _ = one.run(_memory_step, a.size, a.channels, False)[0]
+    with shardlab.Ranks(n) as ranks:
+        mem = ranks.run(_memory_step, a.size, a.channels, True)
+    halo_bytes = 2 * a.channels * a.size * 4 * 3  # 2 halo rows per layer, 3 layers
+    target = single / n + halo_bytes
+    print(
+        f"\n## peak memory growth of forward + backward (3 conv layers), MiB; "
+        f"single device: {single / 2**20:.1f}"
+    )
+    print("| rank | peak growth | target (1/N + halo) + 10 % | within target |")
+    print("|---|---|---|---|")
+    for r, (peak, _) in enumerate(mem):
+        print(
+            f"| {r} | {peak / 2**20:.1f} | {1.1 * target / 2**20:.1f} | "
+            f"{'yes' if peak <= 1.1 * target else 'no'} |"
+        )
+    best = _overhead()
+    diff = best["patched"] - best["plain"]
+    print(
+        f"\n## patched F.conv2d on plain tensors (1x1x8x8, 3x3): plain "
+        f"{best['plain'] * 1e6:.2f} us, patched {best['patched'] * 1e6:.2f} us, overhead "
+        f"{diff * 1e6:.2f} us ({100 * diff / best['plain']:.1f} %)"
+    )
+
+
+if __name__ == "__main__":
+    main()
