@@ -17,6 +17,9 @@ def test_tour_passes_and_reports(tmp_path):
     assert any("PASS  ShardTensor" in line for line in lines)
     assert not any("FAIL" in line for line in lines)
     assert lines[-1].startswith("tour: ") and lines[-1].endswith(" 0 failed")
+    figures = sorted(p.name for p in (tmp_path / "figs").glob("*.png"))
+    assert figures == ["collectives.png", "halos.png", "placements.png"]
+    assert any(line.startswith("figures in") and "halos.png" in line for line in lines)
 
 
 def test_tour_rejects_bad_arguments():
