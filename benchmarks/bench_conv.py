@@ -92,9 +92,13 @@ def _bytes(size, channels):
     ref = conv(img)
     err_ours = (y.full_tensor() - ref).abs().max().item()
     try:
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
         dx = DTensor.from_local(x.to_local().detach(), mesh, [Shard(2)])
+        dw = distribute_tensor(conv.weight.detach(), mesh, [Replicate()])
+        db = distribute_tensor(conv.bias.detach(), mesh, [Replicate()])
         with shardlab.trace() as t2:
-            dy = torch.nn.functional.conv2d(dx, conv.weight.detach(), conv.bias.detach(), padding=1)
+            dy = torch.nn.functional.conv2d(dx, dw, db, padding=1)
         theirs = t2.bytes(kind="send") + t2.bytes(kind="all_reduce")
         local = dy.to_local() if isinstance(dy, DTensor) else dy
         start = sum(sizes[:me])

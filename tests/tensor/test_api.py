@@ -223,6 +223,8 @@ def test_distribute_needs_no_communication(ranks_for, world):
 
 def test_bad_input_errors_on_every_rank(ranks_for):
     def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
         mesh = this_rank().mesh
         x = torch.ones(4, 2)
         errors = {}
@@ -233,6 +235,9 @@ def test_bad_input_errors_on_every_rank(ranks_for):
             "placement type": lambda: ShardTensor.from_local(x, mesh, ["row"]),
             "device": lambda: distribute(torch.ones(3, device="meta"), mesh, [Shard(0)]),
             "mesh": lambda: ShardTensor.from_local(x, "mesh", [Shard(0)]),
+            "other mesh": lambda: distribute(x, mesh, [Shard(0)]).redistribute(
+                init_device_mesh("cpu", (1, 3)), [Replicate(), Replicate()]
+            ),
         }
         try:  # only rank 2's block (3 rows) disagrees with its 4-row local tensor
             ShardTensor.from_local(x, mesh, [Shard(0)], [4, 4, 3])
@@ -255,6 +260,7 @@ def test_bad_input_errors_on_every_rank(ranks_for):
         assert "one entry per mesh dim" in errors["placements"][1]
         assert "meta" in errors["device"][1]
         assert "DeviceMesh" in errors["mesh"][1]
+        assert "own mesh" in errors["other mesh"][1]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

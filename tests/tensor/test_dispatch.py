@@ -28,6 +28,7 @@ OPS = [
     ("view_last", lambda x: x.view(*x.shape[:-1], 2, x.shape[-1] // 2), (-1,)),
     ("reshape_last", lambda x: x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), (-1,)),
     ("slice_last", lambda x: x[..., 1:3], (-1,)),
+    ("unflatten_flatten", lambda x: x.unflatten(-1, (2, 2)).flatten(-2) * 2, (-1,)),
     ("select_last", lambda x: x[..., 1], (-1,)),
     ("matmul_replicated", None, (-1,)),  # x @ W with W replicated
     ("linear", None, (-1,)),
