@@ -1,0 +1,109 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Uneven shards: a tensor cut into pieces of any size
+#
+# A *sharded* tensor is one global tensor cut into blocks, one per rank. DTensor
+# describes the cut with **placements**: `Shard(d)` cuts dim `d`, `Replicate()`
+# gives every rank the whole tensor, `Partial()` means the global value is the
+# *sum* of the ranks' values.
+#
+# DTensor only knows `torch.chunk` sizes. Real data rarely splits evenly (an
+# image of 18 rows on 4 ranks), so shardlab's `ShardTensor` records the exact
+# size of every block.
+
+# %%
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import shardlab
+from shardlab import viz
+from shardlab.layout import ShardLayout
+
+WORLD = 4  # try 2 or 3
+ranks = shardlab.Ranks(WORLD)
+
+# %% [markdown]
+# ## One tensor, four blocks
+#
+# `shardlab.distribute(t, mesh, placements, sizes)` keeps on each rank its block
+# of a tensor that every rank holds. Here 18 rows are cut into blocks of
+# different sizes; the last rank may get an empty block.
+
+# %%
+SIZES = [18 - 4 * (WORLD - 1)] + [4] * (WORLD - 1) if WORLD > 1 else [18]
+layout = ShardLayout.build((18, 3), (WORLD,), [Shard(0)], [SIZES])
+print(layout)
+_ = viz.plot_placements(layout)
+
+# %%
+def make(sizes):
+    mesh = shardlab.this_rank().mesh  # the 1-D mesh over all ranks
+    x = torch.arange(54.0).reshape(18, 3)  # the same global tensor on every rank
+    st = shardlab.distribute(x, mesh, [Shard(0)], sizes=[sizes])
+    return tuple(st.to_local().shape), st.full_tensor().equal(x), st.mean().full_tensor().item()
+
+
+results = ranks.run(make, SIZES)
+for rank, (shape, same, mean) in enumerate(results):
+    print(f"rank {rank}: local block {shape}")
+assert all(same for _, same, _ in results)
+assert all(abs(mean - torch.arange(54.0).mean().item()) < 1e-5 for *_, mean in results)  # float32
+
+# %% [markdown]
+# `full_tensor()` gathers the blocks back, and `mean()` divides by the true
+# number of elements: both equal the single-device values for any sizes.
+#
+# ## Data on one rank: `scatter_tensor`
+#
+# Often the data is loaded on one rank only. `scatter_tensor` sends each rank
+# *only its own block*; the tracer shows who received what.
+
+# %%
+def scatter(sizes):
+    me = shardlab.this_rank().rank
+    x = torch.arange(54.0).reshape(18, 3) if me == 0 else None  # only rank 0 has it
+    with shardlab.trace() as t:
+        st = shardlab.scatter_tensor(x, 0, shardlab.this_rank().mesh, [Shard(0)], sizes=[sizes])
+    return t.bytes(kind="recv", label="scatter_tensor"), st.to_local().numel() * 4
+
+
+for rank, (received, block) in enumerate(ranks.run(scatter, SIZES)):
+    print(f"rank {rank} received {received} bytes for its block of {block} bytes")
+    assert received == (0 if rank == 0 else block)
+
+# %% [markdown]
+# ## Changing the layout: `redistribute`
+#
+# `redistribute` moves exactly the pieces that change owner. From rows to
+# columns every rank sends each other rank the part of its rows that falls in
+# the other rank's columns.
+
+# %%
+def to_columns(sizes):
+    mesh = shardlab.this_rank().mesh
+    st = shardlab.distribute(torch.arange(54.0).reshape(18, 3), mesh, [Shard(0)], [sizes])
+    with shardlab.trace() as t:
+        cols = st.redistribute(mesh, [Shard(1)])
+    return tuple(cols.to_local().shape), t.counts()
+
+
+for rank, (shape, counts) in enumerate(ranks.run(to_columns, SIZES)):
+    print(f"rank {rank}: now holds {shape}, messages {counts}")
+
+# %% [markdown]
+# Close the ranks.
+
+# %%
+ranks.close()
