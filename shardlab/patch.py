@@ -28,6 +28,10 @@ PATCHED_NAMES = (
     "conv1d", "conv2d", "conv3d",
     "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "pad", "scaled_dot_product_attention", "cross_entropy",
+    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+    "interpolate", "batch_norm", "group_norm", "instance_norm", "layer_norm", "dropout",
 )  # fmt: skip
 
 _LOCK = threading.RLock()

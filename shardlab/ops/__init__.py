@@ -3,7 +3,16 @@
 Importing this package registers every handler in :mod:`.registry`.
 """
 
-from shardlab.ops import attention, conv, cross_entropy, pad  # noqa: F401  (register handlers)
+from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
+    attention,
+    conv,
+    cross_entropy,
+    dropout,
+    interpolate,
+    norm,
+    pad,
+    pool,
+)
 from shardlab.ops.registry import HANDLERS, register, supported
 
 __all__ = ["HANDLERS", "register", "supported"]

@@ -1,0 +1,1 @@
+"""Placeholder: filled in by the CNN-ops work (issue 6)."""
