@@ -36,6 +36,19 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of the global tensor laid out in the same dim order as ``local`` (so a
+    transposed block describes a transposed global tensor and views stay valid)."""
+    if local.ndim != len(shape) or local.is_contiguous():
+        return _contiguous_stride(shape)
+    order = sorted(range(local.ndim), key=lambda d: (-local.stride(d), d))  # outer -> inner
+    stride, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(stride)
+
+
 def _grad_layout(layout: ShardLayout) -> ShardLayout:
     """Gradients of a Partial value are Replicate (d sum / d part = 1 on every rank)."""
     places = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
@@ -55,7 +68,8 @@ class ShardTensor(DTensor):
     @staticmethod
     def _wrap(local: torch.Tensor, mesh, layout: ShardLayout, requires_grad=False) -> ShardTensor:
         meta = TensorMeta(
-            torch.Size(layout.global_shape), _contiguous_stride(layout.global_shape), local.dtype
+            torch.Size(layout.global_shape), _global_stride(local, layout.global_shape),
+            local.dtype,
         )
         spec = DTensorSpec(mesh, tuple(layout.placements), tensor_meta=meta)
         out = ShardTensor(local.detach(), spec, requires_grad=requires_grad)
@@ -162,10 +176,16 @@ class ShardTensor(DTensor):
         )
         return _Redistribute.apply(self, dst)
 
-    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:  # noqa: ARG002
-        """The whole global tensor on every rank (differentiable)."""
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        """The whole global tensor on every rank (differentiable).
+
+        Its gradient is taken as the same on every rank (Replicate); pass
+        ``grad_placements=[Partial()]`` when each rank's gradient is a part of it.
+        """
         replicate = [Replicate()] * self.device_mesh.ndim
-        return self.redistribute(self.device_mesh, replicate).to_local()
+        return self.redistribute(self.device_mesh, replicate).to_local(
+            grad_placements=grad_placements
+        )
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

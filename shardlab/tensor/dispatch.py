@@ -200,16 +200,14 @@ def _align_args(func, args, schema, shards):
                     ):
                         ref = s._layout.sizes[m]
                         break
-            if isinstance(p, Shard) and ref is None:
+            if ref is not None and len(ref) != 1:
                 raise unsupported(
-                    func,
-                    shards,
-                    "DTensor would move data assuming torch.chunk sizes",
-                    spec.placements,
+                    func, shards, "a dim sharded twice would have to move", spec.placements
                 )
-            sizes.append(ref)
-        dst = ShardLayout(
-            a._layout.global_shape, a._layout.mesh_shape, tuple(spec.placements), tuple(sizes)
+            # no input sharded this way yet: DTensor's own (chunk) sizes are consistent
+            sizes.append(list(ref[0]) if ref is not None else None)
+        dst = ShardLayout.build(
+            a._layout.global_shape, a._layout.mesh_shape, tuple(spec.placements), sizes
         )
         local = comm.redistribute_local(
             a._local_tensor,

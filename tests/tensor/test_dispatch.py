@@ -28,6 +28,7 @@ OPS = [
     ("view_last", lambda x: x.view(*x.shape[:-1], 2, x.shape[-1] // 2), (-1,)),
     ("reshape_last", lambda x: x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), (-1,)),
     ("slice_last", lambda x: x[..., 1:3], (-1,)),
+    ("transpose_flatten", lambda x: x.transpose(1, 2).flatten(-2) + 1, (-1, -2)),
     ("unflatten_flatten", lambda x: x.unflatten(-1, (2, 2)).flatten(-2) * 2, (-1,)),
     ("select_last", lambda x: x[..., 1], (-1,)),
     ("matmul_replicated", None, (-1,)),  # x @ W with W replicated
@@ -174,3 +175,21 @@ def test_nn_modules_unchanged_on_uneven_sequence_shards(ranks_for, world):
         return len(ok)
 
     assert ranks_for(world).run(body) == [4] * world
+
+
+def test_full_tensor_with_partial_gradients(ranks_for):
+    """Each rank uses the full tensor differently: grad_placements=[Partial()] sums them."""
+
+    def body():
+        from torch.distributed.tensor import Partial
+
+        mesh = this_rank().mesh
+        me, n = this_rank().rank, this_rank().world_size
+        g = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        x = g.clone().requires_grad_()
+        st = distribute(x, mesh, [Shard(0)], sizes=random_sizes(random.Random(n), 5, n))
+        full = st.full_tensor(grad_placements=[Partial()])
+        (full * (me + 1)).sum().backward()  # rank r's loss weighs the tensor by r + 1
+        return torch.allclose(x.grad, torch.full_like(g, n * (n + 1) / 2))
+
+    assert ranks_for(3).run(body) == [True] * 3
