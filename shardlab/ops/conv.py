@@ -23,7 +23,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import conv_plan, same_padding
 from shardlab.layout._checks import placement_str
-from shardlab.ops.halo import Halo, peers_along
+from shardlab.ops.halo import Halo, WindowRecipe, peers_along
 from shardlab.ops.registry import register
 
 
@@ -108,6 +108,7 @@ def _conv(name: str, n: int, transposed: bool):
                     f"spatial dims); redistribute it to Replicate() first"
                 )
         x = input.to_local()  # (N, C, *local spatial)
+        recipe = WindowRecipe(x)  # the conv will keep (block, halos), not a window copy
         w = replicated_param(weight, mesh, layout.placements)
         b = replicated_param(bias, mesh, layout.placements)
         local_pad, local_out_pad, crops, out_sizes = [], [], {}, {}
@@ -134,7 +135,7 @@ def _conv(name: str, n: int, transposed: bool):
             )
             peers, me = peers_along(mesh, m)
             offset = layout.local_offset(tuple(mesh.get_coordinate()))[dim]
-            x = Halo.apply(x, plan, dim, peers, me, offset, 0.0, f"{name}.halo")
+            x = Halo.apply(x, plan, dim, peers, me, offset, 0.0, f"{name}.halo", recipe.stages)
             local_pad.append((0, 0))
             local_out_pad.append(0)
             crops[dim] = plan.crop(me)
@@ -162,15 +163,18 @@ def _conv(name: str, n: int, transposed: bool):
             )
         elif transposed:
             sym = [lp[0] for lp in local_pad]
-            y = torch_op(x, w, b, s, sym, local_out_pad, groups, d)
+            with recipe.hooks(x):
+                y = torch_op(x, w, b, s, sym, local_out_pad, groups, d)
             for dim, (a, bnd) in crops.items():
                 y = y.narrow(dim, a, bnd - a)
         else:
             if any(lp[0] != lp[1] for lp in local_pad):
                 flat = [v for lp in reversed(local_pad) for v in lp]
-                x = torch.nn.functional.pad(x, flat)
+                x = torch.nn.functional.pad(x, flat)  # a new tensor: saved as it is
                 local_pad = [(0, 0)] * n
-            y = torch_op(x, w, b, s, [lp[0] for lp in local_pad], d, groups)
+                recipe.stages.clear()
+            with recipe.hooks(x):
+                y = torch_op(x, w, b, s, [lp[0] for lp in local_pad], d, groups)
         sizes = []
         for m, p in enumerate(layout.placements):
             if isinstance(p, Shard) and p.dim == 0:

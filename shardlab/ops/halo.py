@@ -37,8 +37,9 @@ class Halo(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, local, plan: ConvPlan, dim, peers, me, offset, fill, cause):
+    def forward(ctx, local, plan: ConvPlan, dim, peers, me, offset, fill, cause, recipe=None):
         ctx.plan, ctx.dim, ctx.peers, ctx.me, ctx.offset = plan, dim, peers, me, offset
+        ctx.recipe = recipe
         ctx.local_len, ctx.cause = local.shape[dim], cause
         rows = lambda t, a, b: t.narrow(dim, a - offset, b - a)  # noqa: E731
         recv_bufs = []
@@ -51,35 +52,11 @@ class Halo(torch.autograd.Function):
                 [(peers[d], rows(local, a, b)) for d, a, b in plan.sends(me)],
                 [(peers[s], buf) for (s, _, _), buf in zip(plan.recvs(me), recv_bufs)],
             )
-        received = iter(recv_bufs)
-        parts = [
-            rows(local, a, b) if src == me else next(received) for src, a, b in plan.blocks(me)
-        ]
-        index = plan.local_index(me)
-        total = sum(b - a for _, a, b in plan.blocks(me))
-        ctx.buf_len = total + 1
-        lead, trail = _edges(index, total)
-        if lead is not None:  # common case: [pad]*lead + every row in order + [pad]*trail
-            ctx.idx = None
-            pad_shape = list(local.shape)
-            pieces = []
-            if lead:
-                pad_shape[dim] = lead
-                pieces.append(local.new_full(pad_shape, fill))
-            pieces += parts
-            if trail:
-                pad_shape[dim] = trail
-                pieces.append(local.new_full(pad_shape, fill))
-            ctx.lead = lead
-            return torch.cat(pieces, dim) if pieces else local.narrow(dim, 0, 0).clone()
-        pad_shape = list(local.shape)
-        pad_shape[dim] = 1
-        parts.append(local.new_full(pad_shape, fill))
-        buf = torch.cat(parts, dim)  # reflect / circular / dilation gaps: gather by index
-        idx = torch.tensor(index, dtype=torch.long, device=local.device)
-        idx[idx < 0] = buf.shape[dim] - 1
-        ctx.idx = idx
-        return buf.index_select(dim, idx)
+        ctx.buf_len = sum(b - a for _, a, b in plan.blocks(me)) + 1
+        window, ctx.idx, ctx.lead = assemble(local, recv_bufs, plan, dim, me, offset, fill)
+        if ctx.recipe is not None:  # let the caller rebuild this window instead of saving it
+            ctx.recipe.append((recv_bufs, plan, dim, me, offset, fill))
+        return window
 
     @staticmethod
     def backward(ctx, grad):
@@ -110,7 +87,76 @@ class Halo(torch.autograd.Function):
             )
         for (_, a, b), buf in zip(plan.sends(me), incoming):
             g_local.narrow(dim, a - offset, b - a).add_(buf)
-        return g_local, None, None, None, None, None, None, None
+        return g_local, None, None, None, None, None, None, None, None
+
+
+def assemble(local, recv_bufs, plan, dim, me, offset, fill):
+    """The window of rank ``me`` from its block and the received rows (no messages).
+
+    Returns (window, idx, lead): ``idx`` None when the window is the rows in order
+    with ``lead`` padding rows in front, else the gather index into cat(blocks + pad).
+    """
+    received = iter(recv_bufs)
+    parts = [
+        local.narrow(dim, a - offset, b - a) if src == me else next(received)
+        for src, a, b in plan.blocks(me)
+    ]
+    index = plan.local_index(me)
+    total = sum(b - a for _, a, b in plan.blocks(me))
+    lead, trail = _edges(index, total)
+    pad_shape = list(local.shape)
+    if lead is not None:  # common case: [pad]*lead + every row in order + [pad]*trail
+        pieces = []
+        if lead:
+            pad_shape[dim] = lead
+            pieces.append(local.new_full(pad_shape, fill))
+        pieces += parts
+        if trail:
+            pad_shape[dim] = trail
+            pieces.append(local.new_full(pad_shape, fill))
+        window = torch.cat(pieces, dim) if pieces else local.narrow(dim, 0, 0).clone()
+        return window, None, lead
+    pad_shape[dim] = 1
+    parts.append(local.new_full(pad_shape, fill))
+    buf = torch.cat(parts, dim)  # reflect / circular / dilation gaps: gather by index
+    idx = torch.tensor(index, dtype=torch.long, device=local.device)
+    idx[idx < 0] = buf.shape[dim] - 1
+    return buf.index_select(dim, idx), idx, 0
+
+
+class WindowRecipe:
+    """Saved-tensor hooks that keep a halo window as (block, received rows) and rebuild
+    it when backward needs it: the op that reads the window (a convolution saves its
+    input) then holds no copy of the block, only the small halos::
+
+        recipe = WindowRecipe(block)
+        window = Halo.apply(block, ..., recipe.stages)   # one call per sharded dim
+        with recipe.hooks(window):
+            y = torch.conv2d(window, w)
+    """
+
+    def __init__(self, block: torch.Tensor):
+        self.block = block
+        self.stages: list = []
+
+    def rebuild(self) -> torch.Tensor:
+        x = self.block.detach()
+        for recv_bufs, plan, dim, me, offset, fill in self.stages:
+            x = assemble(x, recv_bufs, plan, dim, me, offset, fill)[0]
+        return x
+
+    def hooks(self, window: torch.Tensor):
+        ptr, shape = window.data_ptr(), window.shape
+
+        def pack(t):
+            if self.stages and t.data_ptr() == ptr and t.shape == shape and ptr:
+                return self
+            return t
+
+        def unpack(obj):
+            return obj.rebuild() if obj is self else obj
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _edges(index, total):
