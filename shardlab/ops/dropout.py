@@ -1,1 +1,101 @@
-"""Placeholder: filled in by the CNN-ops work (issue 6)."""
+"""``F.dropout`` on a ShardTensor: every rank draws the mask of its own block only.
+
+Two seeded schemes; both give every rank its block of ONE global mask, so the result is
+the same for any mesh and any shard sizes (1 rank = single device)::
+
+    global mask (N, C, H, W)      rank 0 [ rows 0-2 ]   rank 1 [ rows 3-4 ]   rank 2 ...
+    element e (global flat index) keeps  <=>  u(seed, e) >= p
+
+* ``"counter"`` (default): u(seed, e) = splitmix64(seed + e * golden) / 2^64, computed
+  for the local elements only (O(local) memory and work). ``seed`` is one draw of
+  ``torch.randint`` from the default generator, so ``torch.manual_seed(s)`` on every rank
+  makes the run reproducible, and the generator advances the same way on every rank
+  (ranks whose generators differ draw different seeds: seed them alike). Not the bits of
+  torch's own dropout.
+* ``"torch"``: the same mask as torch's ``F.dropout`` on one device after the same
+  ``torch.manual_seed``: every rank draws torch's full-size Bernoulli noise and keeps its
+  block. Exact, but O(global) memory and work per rank: for checks and teaching.
+
+``training=False`` or ``p=0``: the input itself. No communication ever; backward is the
+mask times 1/(1-p) on the local block. ``inplace=True`` is accepted and returns a new
+ShardTensor (the local block is not modified).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from shardlab.ops._cnn_common import check_input, rewrap
+from shardlab.ops.registry import register
+
+SCHEMES = ("counter", "torch")
+_SCHEME = ["counter"]
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _i64(v: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+@contextlib.contextmanager
+def mask_scheme(name: str):
+    """``with shardlab.ops.dropout.mask_scheme("torch"):`` choose the scheme (see module)."""
+    if name not in SCHEMES:
+        raise ValueError(f"mask scheme must be one of {SCHEMES}, got {name!r}")
+    old, _SCHEME[0] = _SCHEME[0], name
+    try:
+        yield
+    finally:
+        _SCHEME[0] = old
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) from splitmix64 of ``seed + index * golden`` (wrapping int64 math)."""
+    z = index * _i64(_GOLDEN) + _i64(seed % (1 << 64))
+    z = (z ^ _shr(z, 30)) * _i64(_M1)
+    z = (z ^ _shr(z, 27)) * _i64(_M2)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() * (1.0 / (1 << 53))
+
+
+def _global_flat_index(input) -> torch.Tensor:
+    """Global row-major flat index of every element of this rank's block."""
+    layout = input.layout
+    box = layout.local_box(tuple(input.device_mesh.get_coordinate()))
+    flat = torch.zeros((), dtype=torch.long)
+    for d, (a, b) in enumerate(box):
+        view = [1] * len(box)
+        view[d] = -1
+        flat = flat * input.shape[d] + torch.arange(a, b).view(view)
+    return flat.expand([b - a for a, b in box])
+
+
+@register("dropout")
+def dropout(input, p=0.5, training=True, inplace=False):
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    check_input("dropout", input, first_spatial=0)
+    if not training or p == 0.0:
+        return input
+    x = input.to_local()
+    if p == 1.0:
+        return rewrap(x * 0, input, {}, input.shape)
+    if _SCHEME[0] == "torch":  # torch's own noise for the whole tensor, then my block
+        noise = torch.empty(tuple(input.shape), dtype=x.dtype).bernoulli_(1 - p)
+        box = input.layout.local_box(tuple(input.device_mesh.get_coordinate()))
+        keep = noise[tuple(slice(a, b) for a, b in box)]
+    else:
+        seed = int(torch.randint(0, 2**62, ()))  # same generator state -> same seed
+        keep = (counter_uniform(seed, _global_flat_index(input)) >= p).to(x.dtype)
+    y = x * (keep / (1 - p))
+    return rewrap(y, input, {}, input.shape)

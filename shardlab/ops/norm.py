@@ -1,1 +1,260 @@
-"""Placeholder: filled in by the CNN-ops work (issue 6)."""
+"""Normalisation over sharded dims: ``F.batch_norm``, ``group_norm``, ``instance_norm``,
+``layer_norm`` with exact statistics for any shard sizes (empty shards included).
+
+Who owns what. (N, C, H, W) sharded over H on 3 ranks, sizes [3, 0, 2]; batch_norm
+reduces over (N, H, W) per channel::
+
+    rank 0  rows 0-2   local sums  s1 = sum(x - K), s2 = sum((x - K)^2)     (2, C)
+    rank 1  (empty)    zeros                                              (2, C)
+    rank 2  rows 3-4   local sums                                         (2, C)
+            --------- one all_reduce(SUM) of the (2, C) stack: "batch_norm.stats" ---------
+    every rank: mean = K + s1/n, var = s2/n - (s1/n)^2 with n = N*H*W from the global shape
+
+Per call, forward::
+
+    1. local sums of (x - K) and (x - K)^2 over the local block, stacked   (2, *stat shape)
+       K = running_mean for batch_norm (a shift near the mean: less cancellation), else 0
+    2. one all-reduce of the stack over the mesh dims that shard the reduced dims
+       (none: the original torch op runs on the local block, no communication)
+    3. y = (x - mean) * rsqrt(var + eps) * weight + bias on the local block
+    4. batch_norm / instance_norm training: running stats updated in place, identically
+       on every rank, as torch (unbiased var n/(n-1), momentum)
+
+Steps 1-3 are :class:`~shardlab.ops._cnn_norm.SyncNorm` (saves only x, mean, rstd, like
+torch's kernels). Its backward is ONE all-reduce of [sum g, sum g xhat] (the statistics'
+gradient), fused with the weight and bias gradient sums when the statistics span every
+sharded mesh dim (batch_norm always; group/instance norm unless the batch is sharded,
+then one more all-reduce sums the parameter gradients). instance_norm with running stats
+and layer_norm's elementwise weight (gathered back by redistribute) are the exceptions:
+autograd through primitives / redistribute. Eval mode, ``use_input_stats=False`` and
+layer_norm over unsharded dims: no forward communication (backward: the parameter
+gradients' all-reduce). Half precision: statistics in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardlab.ops._cnn_common import (
+    AllReduceSum,
+    check_input,
+    groups_over,
+    meta_call,
+    rewrap,
+    sharding_mesh_dims,
+    summed_grads,
+)
+from shardlab.ops._cnn_norm import NormSpec, SyncNorm
+from shardlab.ops.registry import register
+
+
+def _meta(t):
+    return None if t is None else torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
+
+def _no_channel_shard(name, input):
+    if any(isinstance(p, Shard) and p.dim == 1 for p in input.layout.placements):
+        raise NotImplementedError(
+            f"{name}: a sharded channel dim is not supported; shard the batch or spatial dims"
+        )
+
+
+def _params(weight, bias, input, fused, cause):
+    """Weight and bias as local tensors. ``fused``: SyncNorm's backward all-reduce sums
+    their gradients already; else :func:`summed_grads` does (one more all-reduce)."""
+    from shardlab.tensor import ShardTensor
+
+    if not fused:
+        return summed_grads([weight, bias], input, cause)
+    return [t.to_local() if isinstance(t, ShardTensor) else t for t in (weight, bias)]
+
+
+def _sync_norm(x, w, b, input, view, dims, count, stat_dims, name, eps, shift, pview):
+    """Steps 1-3 by :class:`SyncNorm`; ``stat_dims``: tensor dims the statistics span."""
+    layout = input.layout
+    stat_mesh = sharding_mesh_dims(layout, stat_dims)
+    fused = set(stat_mesh) == set(sharding_mesh_dims(layout)) and pview is not None
+    if pview is not None:
+        w, b = _params(w, b, input, fused, f"{name}.params")
+    spec = NormSpec(
+        tuple(view), tuple(dims), count, groups_over(input.device_mesh, stat_mesh),
+        f"{name}.stats", eps, pview, fused,
+    )  # fmt: skip
+    if shift is None:
+        shift = torch.zeros((), dtype=_work_dtype(x))
+    return SyncNorm.apply(x, w, b, spec, shift)
+
+
+def _local(fn, x, w, b, *args):
+    """The original op on the local block; an empty block still ties the weights in, so
+    every rank runs the same collectives in backward."""
+    if x.numel() == 0:
+        return x.new_zeros(x.shape) + sum(t.sum() * 0 for t in (x, w, b) if t is not None)
+    return fn(x, *args)
+
+
+def _affine(y, weight, bias, shape):
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    return y
+
+
+@register("batch_norm")
+def batch_norm(
+    input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+    eps=1e-5,
+):  # fmt: skip
+    check_input("batch_norm", input)
+    _no_channel_shard("batch_norm", input)
+    meta_call(
+        F.batch_norm, input, _meta(running_mean), _meta(running_var), _meta(weight),
+        _meta(bias), training, momentum, eps,
+    )  # fmt: skip
+    x = input.to_local()  # (N, C, *S_local)
+    if not training:  # running statistics: local, no communication
+        w, b = summed_grads([weight, bias], input, "batch_norm.params")
+        y = _local(F.batch_norm, x, w, b, running_mean, running_var, w, b, False, momentum, eps)
+        return rewrap(y, input, {}, input.shape)
+    dims = [0, *range(2, input.ndim)]
+    n = math.prod(input.shape[d] for d in dims)
+    cshape = (1, -1) + (1,) * (input.ndim - 2)
+    shift = None
+    if running_mean is not None:  # a shift near the mean: less cancellation in sum x^2
+        shift = running_mean.detach().to(_work_dtype(x)).view(cshape)
+    y, mean, var = _sync_norm(
+        x, weight, bias, input, x.shape, dims, n, dims, "batch_norm", eps, shift, cshape
+    )
+    if running_mean is not None or running_var is not None:  # step 4
+        with torch.no_grad():
+            if running_mean is not None:
+                running_mean.mul_(1 - momentum).add_(mean.reshape(-1) * momentum)
+            if running_var is not None:
+                unbiased = var.reshape(-1) * (n / (n - 1))
+                running_var.mul_(1 - momentum).add_(unbiased * momentum)
+    return rewrap(y, input, {}, input.shape)
+
+
+@register("group_norm")
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    check_input("group_norm", input)
+    _no_channel_shard("group_norm", input)
+    meta_call(F.group_norm, input, num_groups, _meta(weight), _meta(bias), eps)
+    x, layout = input.to_local(), input.layout  # (N, C, *S_local)
+    spatial = list(range(2, input.ndim))
+    if not sharding_mesh_dims(layout, spatial):  # per-sample statistics, whole samples
+        w, b = summed_grads([weight, bias], input, "group_norm.params")
+        y = _local(F.group_norm, x, w, b, num_groups, w, b, eps)
+        return rewrap(y, input, {}, input.shape)
+    y = _grouped(x, weight, bias, input, num_groups, "group_norm", eps)
+    return rewrap(y, input, {}, input.shape)
+
+
+def _grouped(x, weight, bias, input, groups, name, eps):
+    """group_norm / instance_norm over sharded spatial dims."""
+    c, spatial = input.shape[1], list(range(2, input.ndim))
+    view = (x.shape[0], groups, c // groups, *x.shape[2:])  # (N, G, C/G, *S_local)
+    n = c // groups * math.prod(input.shape[d] for d in spatial)
+    pview = (1, -1) + (1,) * len(spatial)
+    dims = range(2, len(view))
+    return _sync_norm(x, weight, bias, input, view, dims, n, spatial, name, eps, None, pview)[0]
+
+
+@register("instance_norm")
+def instance_norm(
+    input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+    momentum=0.1, eps=1e-5,
+):  # fmt: skip
+    check_input("instance_norm", input)
+    _no_channel_shard("instance_norm", input)
+    meta_call(
+        F.instance_norm, input, _meta(running_mean), _meta(running_var), _meta(weight),
+        _meta(bias), use_input_stats, momentum, eps,
+    )  # fmt: skip
+    x, layout, mesh = input.to_local(), input.layout, input.device_mesh  # (N, C, *S_local)
+    spatial = list(range(2, input.ndim))
+    track = running_mean is not None or running_var is not None
+    reduce_dims = spatial + ([0] if track else [])  # running stats average over the batch
+    groups = groups_over(mesh, sharding_mesh_dims(layout, reduce_dims))
+    if use_input_stats and groups and not track:  # group_norm with one channel per group
+        y = _grouped(x, weight, bias, input, input.shape[1], "instance_norm", eps)
+        return rewrap(y, input, {}, input.shape)
+    w, b = summed_grads([weight, bias], input, "instance_norm.params")
+    if not use_input_stats or not groups:
+        args = (running_mean, running_var, w, b, use_input_stats, momentum, eps)
+        y = _local(F.instance_norm, x, w, b, *args)
+        return rewrap(y, input, {}, input.shape)
+    # running statistics (autograd through primitives): statistics per (n, c) in rows of
+    # the *global* batch (zeros for other ranks' samples), so that the same all-reduce
+    # also sums over batch shards for the running means
+    start = layout.local_offset(tuple(mesh.get_coordinate()))[0]
+    count = math.prod(input.shape[d] for d in spatial)
+    work = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    local = torch.stack([work.sum(spatial), (work * work).sum(spatial)])  # (2, N_local, C)
+    local = F.pad(local, (0, 0, start, input.shape[0] - start - x.shape[0]))  # (2, N, C)
+    stats = AllReduceSum.apply(local, groups, "instance_norm.stats")
+    mine = stats[:, start : start + x.shape[0]]
+    mean, var = mine[0] / count, (mine[1] / count - (mine[0] / count) ** 2).clamp_min(0)
+    view = list(x.shape[:2]) + [1] * len(spatial)
+    xhat = ((work - mean.view(view)) * torch.rsqrt(var.view(view) + eps)).to(x.dtype)
+    y = _affine(xhat, w, b, [1, -1] + [1] * len(spatial))
+    with torch.no_grad():
+        all_mean = stats[0] / count
+        all_var = (stats[1] / count - all_mean**2).clamp_min(0) * (count / (count - 1))
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(all_mean.mean(0) * momentum)
+        if running_var is not None:
+            running_var.mul_(1 - momentum).add_(all_var.mean(0) * momentum)
+    return rewrap(y, input, {}, input.shape)
+
+
+@register("layer_norm")
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    check_input("layer_norm", input, first_spatial=0)
+    meta_call(F.layer_norm, input, normalized_shape, _meta(weight), _meta(bias), eps)
+    x, layout, mesh = input.to_local(), input.layout, input.device_mesh
+    k = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
+    dims = list(range(input.ndim - k, input.ndim))
+    groups = groups_over(mesh, sharding_mesh_dims(layout, dims))
+    if not groups:  # whole rows on every rank: the original op, no communication
+        w, b = summed_grads([weight, bias], input, "layer_norm.params")
+        y = _local(F.layer_norm, x, w, b, x.shape[input.ndim - k :], w, b, eps)
+        return rewrap(y, input, {}, input.shape)
+    w, b = (_weight_block(t, input, k) for t in (weight, bias))
+    n = math.prod(input.shape[d] for d in dims)
+    spec = NormSpec(tuple(x.shape), tuple(dims), n, groups, "layer_norm.stats", eps, None, False)
+    y = SyncNorm.apply(x, w, b, spec, torch.zeros((), dtype=_work_dtype(x)))[0]
+    return rewrap(y, input, {}, input.shape)
+
+
+def _work_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _weight_block(t, input, k):
+    """This rank's block of an elementwise weight over the last k dims; its gradient
+    is summed over batch-like shards and gathered over the normalised-dim shards."""
+    if t is None:
+        return None
+    from shardlab.tensor import ShardTensor, distribute
+
+    if isinstance(t, ShardTensor):
+        t = t.full_tensor()
+    layout, lead = input.layout, input.ndim - k
+    places, grads, sizes = [], [], []
+    for p in layout.placements:
+        if isinstance(p, Shard) and p.dim >= lead:
+            places.append(Shard(p.dim - lead))
+            grads.append(Shard(p.dim - lead))
+            sizes.append(list(layout.sizes_along(p.dim)))
+        else:
+            places.append(Replicate())
+            grads.append(Partial() if isinstance(p, Shard) else Replicate())
+            sizes.append(None)
+    st = distribute(t, input.device_mesh, places, sizes=sizes)
+    return st.to_local(grad_placements=grads) if t.requires_grad else st.to_local()

@@ -1,0 +1,218 @@
+"""Shared pieces of the CNN op families (pool, interpolate, norm, dropout).
+
+* :func:`check_input` / :func:`meta_call`: torch's own argument checks and output shape,
+  run on a ``meta`` tensor of the global shape (same errors as torch, on every rank,
+  before any message);
+* :func:`spatial_mesh_dims`: which mesh dim cuts which spatial dim;
+* :class:`RowPlan`: "rank r needs these global rows" -> exact point-to-point fetch,
+  with the interface :class:`shardlab.ops.halo.Halo` reads (``blocks``/``recvs``/
+  ``sends``/``local_index``), for windows a :class:`~shardlab.layout.ConvPlan` cannot
+  describe (adaptive pooling, interpolation);
+* :class:`AllReduceSum`: a differentiable all-reduce (backward: all-reduce of the grad);
+* :func:`summed_grads`: replicated weights whose gradients are summed over the ranks
+  holding different data (one fused all-reduce in backward);
+* :func:`rewrap`: the local result back into a ShardTensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Shard
+
+from shardlab.layout._windows import blocks_of
+from shardlab.trace import label
+
+
+def check_input(name: str, input, first_spatial: int = 2) -> None:
+    """Only the input is a ShardTensor; no Partial; no dim cut by two mesh dims."""
+    from shardlab.tensor import ShardTensor
+
+    if not isinstance(input, ShardTensor):
+        raise NotImplementedError(f"{name}: only the input may be a ShardTensor")
+    seen = set()
+    for m, p in enumerate(input.layout.placements):
+        if isinstance(p, Partial):
+            raise NotImplementedError(
+                f"{name}: input Partial() on mesh dim {m} is not supported; redistribute it "
+                "to Replicate() or Shard() first"
+            )
+        if isinstance(p, Shard):
+            if p.dim in seen:
+                raise NotImplementedError(f"{name}: a dim sharded over two mesh dims")
+            seen.add(p.dim)
+
+
+def meta_call(fn, input, *args, **kwargs):
+    """``fn`` on a meta tensor of ``input``'s global shape: torch's checks and shapes."""
+    meta = torch.empty(tuple(input.shape), dtype=input.dtype, device="meta")
+    return fn(meta, *args, **kwargs)
+
+
+def spatial_mesh_dims(layout, first: int = 2) -> dict[int, int]:
+    """``{tensor dim: mesh dim}`` for every sharded dim >= ``first``."""
+    return {
+        p.dim: m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim >= first
+    }
+
+
+def my_offset(input, dim: int) -> int:
+    return input.layout.local_offset(tuple(input.device_mesh.get_coordinate()))[dim]
+
+
+def rewrap(y, input, new_sizes: dict[int, list[int]], shape):
+    """``y`` (this rank's block) as a ShardTensor laid out like ``input``; mesh dim m
+    gets ``new_sizes[m]`` if given, else the input's sizes (batch / channel dims)."""
+    from shardlab.tensor import ShardTensor
+
+    layout = input.layout
+    sizes = [
+        new_sizes.get(m, list(layout.sizes_along(p.dim))) if isinstance(p, Shard) else None
+        for m, p in enumerate(layout.placements)
+    ]
+    return ShardTensor.from_local(y, input.device_mesh, layout.placements, sizes, shape=shape)
+
+
+def empty_like_output(x, shape):
+    """An empty block still tied to ``x`` so backward runs the same exchanges everywhere."""
+    return x.new_zeros(shape) + x.sum() * 0
+
+
+class RowPlan:
+    """Rank r's window is the sorted global rows ``needed[r]`` of one sharded dim.
+
+    ``sizes``: the input shard sizes along the dim; ``needed``: one sorted list per rank.
+    Received rows come from their owners, point to point; nothing else moves.
+    """
+
+    def __init__(self, sizes, needed, out_sizes):
+        self.in_sizes = tuple(sizes)
+        self.needed = [list(n) for n in needed]
+        self.out_sizes = tuple(out_sizes)
+        self._blocks = [blocks_of(r, tuple(n), self.in_sizes) for r, n in enumerate(needed)]
+
+    def blocks(self, r):
+        return self._blocks[r]
+
+    def recvs(self, r):
+        return tuple(b for b in self._blocks[r] if b.rank != r)
+
+    def sends(self, r):
+        from shardlab.layout import Rows
+
+        return tuple(
+            Rows(dst, b.start, b.stop)
+            for dst in range(len(self.in_sizes))
+            for b in self.recvs(dst)
+            if b.rank == r
+        )
+
+    def local_index(self, r):
+        return tuple(range(len(self.needed[r])))
+
+    def rows_received(self, r) -> int:
+        return sum(b.stop - b.start for b in self.recvs(r))
+
+    def rows_sent(self, r) -> int:
+        return sum(b.stop - b.start for b in self.sends(r))
+
+
+def owners(anchors: torch.Tensor, sizes) -> torch.Tensor:
+    """The rank holding each global index in ``anchors`` (never an empty shard)."""
+    starts = torch.tensor([sum(sizes[:r]) for r in range(len(sizes))], dtype=torch.long)
+    return torch.searchsorted(starts, anchors, right=True) - 1
+
+
+def groups_over(mesh, mesh_dims) -> list:
+    """Process groups whose sequential all-reduces sum over ``mesh_dims``: one group (the
+    mesh dim's, or the world when the mesh dims span it), else one per mesh dim."""
+    mesh_dims = sorted(set(mesh_dims))
+    if not mesh_dims:
+        return []
+    if len(mesh_dims) == 1:
+        return [mesh.get_group(mesh_dims[0])]
+    if mesh.size() == dist.get_world_size():
+        return [dist.group.WORLD]
+    return [mesh.get_group(m) for m in mesh_dims]
+
+
+def sharding_mesh_dims(layout, dims=None) -> list[int]:
+    """Mesh dims that shard any tensor dim (or any of ``dims``)."""
+    return [
+        m
+        for m, p in enumerate(layout.placements)
+        if isinstance(p, Shard) and (dims is None or p.dim in dims)
+    ]
+
+
+def _all_reduce(t, groups, cause, phase):
+    t = t.contiguous().clone()
+    with label(cause, phase):
+        for g in groups:
+            dist.all_reduce(t, group=g)
+    return t
+
+
+class AllReduceSum(torch.autograd.Function):
+    """``AllReduceSum.apply(t, groups, cause)``: the sum over the ranks, differentiable.
+
+    Rank q's loss depends on the sum S through its own outputs, so dL/dS is the sum over
+    q of the incoming gradients: the backward is the same all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, t, groups, cause):
+        ctx.groups, ctx.cause = groups, cause
+        return _all_reduce(t, groups, cause, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.groups, ctx.cause, "backward"), None, None
+
+
+class _SumGrads(torch.autograd.Function):
+    """Identity on (weight, bias, ...); backward sums their gradients over the ranks in
+    one all-reduce of the concatenated gradients."""
+
+    @staticmethod
+    def forward(ctx, groups, cause, *tensors):
+        ctx.groups, ctx.cause = groups, cause
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.dtype = tensors[0].dtype
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat(
+            [
+                (g if g is not None else torch.zeros(s, dtype=ctx.dtype)).reshape(-1)
+                for g, s in zip(grads, ctx.shapes)
+            ]
+        )
+        flat = _all_reduce(flat, ctx.groups, ctx.cause, "backward")
+        out, pos = [], 0
+        for s in ctx.shapes:
+            n = s.numel()
+            out.append(flat[pos : pos + n].view(s))
+            pos += n
+        return (None, None, *out)
+
+
+def summed_grads(tensors, input, cause):
+    """Replicated weights used on this rank's block: their gradients are summed over the
+    mesh dims sharding the input (plain tensors: one fused all-reduce in backward)."""
+    from shardlab.ops.conv import replicated_param
+    from shardlab.tensor import ShardTensor
+
+    mesh, layout = input.device_mesh, input.layout
+    out = [
+        replicated_param(t, mesh, layout.placements) if isinstance(t, ShardTensor) else t
+        for t in tensors
+    ]
+    trained = [i for i, t in enumerate(out) if t is not None and t.requires_grad]
+    groups = groups_over(mesh, sharding_mesh_dims(layout))
+    if trained and groups and torch.is_grad_enabled():
+        summed = _SumGrads.apply(groups, cause, *[out[i] for i in trained])
+        for i, t in zip(trained, summed):
+            out[i] = t
+    return out

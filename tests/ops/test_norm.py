@@ -1,0 +1,149 @@
+"""Sharded normalisation layers against single device: outputs, input and parameter
+gradients, running statistics, and exactly one fused all-reduce per call."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+import shardlab
+from shardlab import distribute, this_rank
+
+SHAPE = (4, 4, 5, 7)  # (N, C, H, W)
+
+LAYOUTS = {  # name -> (mesh shape, placements, sizes)
+    "H uneven+empty": ((4,), [Shard(2)], [[2, 0, 1, 2]]),
+    "W, size-1": ((4,), [Shard(3)], [[3, 3, 0, 1]]),
+    "batch": ((4,), [Shard(0)], [[1, 1, 2, 0]]),
+    "2-D batch x H": ((2, 2), [Shard(0), Shard(2)], [[3, 1], [4, 1]]),
+    "2-D H x W": ((2, 2), [Shard(2), Shard(3)], [[1, 4], [5, 2]]),
+    "2-D H x Replicate": ((2, 2), [Shard(2), Replicate()], [[2, 3], None]),
+}
+
+MODULES = {  # name -> (factory, label, reduced dims: a collective iff one is sharded)
+    "batch_norm": (lambda: nn.BatchNorm2d(4), "batch_norm", {0, 2, 3}),
+    "batch_norm momentum=None": (lambda: nn.BatchNorm2d(4, momentum=None), "batch_norm", {0, 2, 3}),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), "group_norm", {2, 3}),
+    "instance_norm tracked": (
+        lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+        "instance_norm",
+        {0, 2, 3},
+    ),
+    "instance_norm": (lambda: nn.InstanceNorm2d(4), "instance_norm", {2, 3}),
+    "layer_norm (H, W)": (lambda: nn.LayerNorm((5, 7)), "layer_norm", {2, 3}),
+    "layer_norm W": (lambda: nn.LayerNorm(7), "layer_norm", {3}),
+}
+
+
+def _body(layout_names):
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        results = []
+        for lname in layout_names:
+            mesh_shape, placements, sizes = LAYOUTS[lname]
+            mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+            sharded = {p.dim for p in placements if isinstance(p, Shard)}
+            for mname, (make, op, reduced) in MODULES.items():
+                torch.manual_seed(0)
+                ref_m, m = make().double(), make().double()
+                for p in ref_m.parameters():
+                    p.data.normal_()
+                m.load_state_dict(ref_m.state_dict())
+                for step, training in enumerate([True, True, False]):
+                    ref_m.train(training)
+                    m.train(training)
+                    g = torch.randn(SHAPE, dtype=torch.float64) * 2 + 3
+                    xr = g.clone().requires_grad_()
+                    ref = ref_m(xr)
+                    w_out = torch.randn(SHAPE, dtype=torch.float64)
+                    (ref * w_out).sum().backward()
+                    x = g.clone().requires_grad_()
+                    with shardlab.patched():
+                        st = distribute(x, mesh, placements, sizes=sizes)
+                        with shardlab.trace(mesh=mesh) as t:
+                            y = m(st)
+                            (
+                                y.to_local() * distribute(w_out, mesh, placements, sizes).to_local()
+                            ).sum().backward()
+                    cfg = (lname, mname, step)
+                    assert torch.allclose(y.full_tensor(), ref, atol=1e-10), cfg
+                    assert torch.allclose(x.grad, xr.grad, atol=1e-10), cfg
+                    for p, q in zip(m.parameters(), ref_m.parameters()):
+                        assert type(p.grad) is torch.Tensor, cfg
+                        assert torch.allclose(p.grad, q.grad, atol=1e-10), cfg
+                    for b, c in zip(m.buffers(), ref_m.buffers()):
+                        assert torch.allclose(b.double(), c.double(), atol=1e-12), cfg
+                    uses_batch = training or not isinstance(m, nn.modules.batchnorm._NormBase) or (
+                        not m.track_running_stats)  # fmt: skip
+                    want = int(uses_batch and bool(reduced & sharded))
+                    fwd = t.filter(label=f"{op}.stats forward").counts()
+                    stats_back = t.filter(label=f"{op}.stats backward").counts()
+                    assert fwd == ({"all_reduce": want} if want else {}), (cfg, fwd)
+                    assert stats_back == fwd, (cfg, stats_back)
+                    back = t.filter(kind="all_reduce").events
+                    back = [e for e in back if e.label.startswith(op) and "backward" in e.label]
+                    if op == "batch_norm" and training:  # weight/bias sums fused in
+                        assert len(back) == 1, (cfg, [e.label for e in back])
+                    assert len(back) <= 2, (cfg, [e.label for e in back])
+                    other_fwd = [
+                        e for e in t.events if "forward" in e.label and not e.label.startswith(op)
+                    ]
+                    assert not [e for e in t.events if e.label.startswith(op) and "forward" in
+                                e.label and "stats" not in e.label], cfg  # fmt: skip
+                    assert not [e for e in other_fwd if "redistribute" not in e.label], cfg
+                    ref_m.zero_grad()
+                    m.zero_grad()
+                    results.append(cfg)
+        return len(results)
+
+    return body
+
+
+@pytest.mark.parametrize("layouts", [["H uneven+empty", "W, size-1", "batch"]], ids=["1-D mesh"])
+def test_norms_1d_mesh(ranks_for, layouts):
+    assert ranks_for(4).run(_body(layouts)) == [len(layouts) * len(MODULES) * 3] * 4
+
+
+def test_norms_2d_mesh(ranks_for):
+    names = ["2-D batch x H", "2-D H x W", "2-D H x Replicate"]
+    assert ranks_for(4).run(_body(names)) == [len(names) * len(MODULES) * 3] * 4
+
+
+def test_layer_norm_over_unsharded_dims_is_local(ranks_for):
+    def body():
+        mesh = this_rank().mesh
+        ln = nn.LayerNorm(7).double()
+        g = torch.randn(2, 3, 5, 7, dtype=torch.float64)
+        with shardlab.patched():
+            st = distribute(g, mesh, [Shard(2)], sizes=[4, 1])
+            with shardlab.trace() as t:
+                y = ln(st)
+        return t.counts(), torch.allclose(y.full_tensor(), ln(g))
+
+    for counts, ok in ranks_for(2).run(body):
+        assert counts == {} and ok
+
+
+def test_errors_on_every_rank(ranks_for):
+    def body():
+        mesh = this_rank().mesh
+        errors = []
+        with shardlab.patched():
+            one = distribute(torch.randn(1, 3, 1, 1), mesh, [Shard(2)], sizes=[1, 0])
+            chans = distribute(torch.randn(2, 4, 3), mesh, [Shard(1)])
+            calls = (
+                lambda: nn.BatchNorm2d(3)(one),  # one value per channel
+                lambda: F.group_norm(distribute(torch.randn(2, 4, 3), mesh, [Shard(2)]), 3),
+                lambda: nn.BatchNorm1d(4)(chans),
+            )
+            for call in calls:
+                try:
+                    call()
+                except (ValueError, RuntimeError, NotImplementedError) as exc:
+                    errors.append(type(exc).__name__)
+        return errors
+
+    for errors in ranks_for(2).run(body):
+        assert errors == ["ValueError", "RuntimeError", "NotImplementedError"], errors
