@@ -68,7 +68,8 @@ class ShardTensor(DTensor):
     @staticmethod
     def _wrap(local: torch.Tensor, mesh, layout: ShardLayout, requires_grad=False) -> ShardTensor:
         meta = TensorMeta(
-            torch.Size(layout.global_shape), _global_stride(local, layout.global_shape),
+            torch.Size(layout.global_shape),
+            _global_stride(local, layout.global_shape),
             local.dtype,
         )
         spec = DTensorSpec(mesh, tuple(layout.placements), tensor_meta=meta)
@@ -152,8 +153,9 @@ class ShardTensor(DTensor):
                         "grad_placements may only change Replicate/Partial, got "
                         f"{list(places)} for {list(self._layout.placements)}"
                     )
-            grad_layout = ShardLayout(self._layout.global_shape, self._layout.mesh_shape,
-                                      places, self._layout.sizes)
+            grad_layout = ShardLayout(
+                self._layout.global_shape, self._layout.mesh_shape, places, self._layout.sizes
+            )
         return _ToLocal.apply(self, grad_layout)
 
     def redistribute(

@@ -62,10 +62,55 @@ def generic(func, args, kwargs):
     """DTensor for even layouts, the local path for uneven ones (no handler)."""
     shards = _shard_tensors(args, kwargs)
     args, kwargs = _replicate_plain(args, kwargs, shards[0].device_mesh)
+    args, kwargs = _same_sizes(func, args, kwargs, shards)
+    shards = _shard_tensors(args, kwargs)
     if all(s._layout.is_even() for s in shards):
         out = DTensor.__torch_dispatch__(func, (DTensor,), args, kwargs)
         return tree_map(_from_dtensor, out)
     return _local_fallback(func, args, kwargs, shards)
+
+
+def _same_sizes(func, args, kwargs, shards):
+    """Inputs sharded alike (same mesh dim, same aligned dim and length) but with
+    different sizes -- ``x + skip`` or ``cat([x, skip], 1)`` in a U-Net -- are moved to
+    the first one's sizes (exact point-to-point moves of the rows that change owner)."""
+    from shardlab.tensor.api import ShardTensor
+
+    if len(shards) < 2:
+        return args, kwargs
+    ref = shards[0]
+
+    def align(a):
+        if not isinstance(a, ShardTensor) or a is ref or a._layout == ref._layout:
+            return a
+        sizes, changed = [], False
+        for m, (p, q) in enumerate(zip(a._layout.placements, ref._layout.placements)):
+            entry = a._layout.sizes[m]
+            if (
+                isinstance(p, Shard)
+                and isinstance(q, Shard)
+                and p.dim - a.ndim == q.dim - ref.ndim
+                and a.shape[p.dim] == ref.shape[q.dim]
+                and entry != ref._layout.sizes[m]
+                and len(entry) == 1
+            ):
+                entry, changed = ref._layout.sizes[m], True
+            sizes.append(entry)
+        if not changed:
+            return a
+        dst = ShardLayout(
+            a._layout.global_shape, a._layout.mesh_shape, a._layout.placements, tuple(sizes)
+        )
+        local = comm.redistribute_local(
+            a._local_tensor,
+            a._layout,
+            dst,
+            a.device_mesh,
+            cause=f"{func.overloadpacket.__name__}.align",
+        )
+        return ShardTensor._wrap(local, a.device_mesh, dst)
+
+    return tree_map(align, args), tree_map(align, kwargs)
 
 
 def _replicate_plain(args, kwargs, mesh):

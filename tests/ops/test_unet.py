@@ -106,3 +106,11 @@ def test_unet_2d_mesh_h_and_w(ranks_for):
     for ok, kinds, stats in got:
         assert ok and stats == {"all_reduce": N_BATCH_NORMS}
         assert kinds["all_reduce"] == N_BATCH_NORMS
+
+
+def test_unet_unaligned_shard_boundaries(ranks_for):
+    """Boundaries that pooling does not halve evenly ([3, 5, 1, 4]): the skip connections
+    meet layouts of other sizes, which are moved to match (point to point), still exact."""
+    for ok, kinds, stats in ranks_for(4).run(_run((4,), [Shard(2)], [[3, 5, 1, 4]])):
+        assert ok and stats == {"all_reduce": N_BATCH_NORMS}
+        assert set(kinds) <= {"all_reduce", "send", "recv"}

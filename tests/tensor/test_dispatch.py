@@ -193,3 +193,29 @@ def test_full_tensor_with_partial_gradients(ranks_for):
         return torch.allclose(x.grad, torch.full_like(g, n * (n + 1) / 2))
 
     assert ranks_for(3).run(body) == [True] * 3
+
+
+def test_inputs_with_different_uneven_sizes_are_aligned(ranks_for):
+    """cat and + of tensors sharded alike but with different sizes (a U-Net skip)."""
+
+    def body():
+        mesh = this_rank().mesh
+        torch.manual_seed(0)
+        a = torch.randn(2, 3, 9, 4, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(2, 5, 9, 4, dtype=torch.float64, requires_grad=True)
+        sa = distribute(a, mesh, [Shard(2)], [[4, 0, 5]])
+        sb = distribute(b, mesh, [Shard(2)], [[3, 3, 3]])
+        c, d = torch.cat([sa, sb], 1), sa + sb[:, :3]
+        assert c.layout.sizes == sa.layout.sizes
+        (c.sum() + d.square().sum()).full_tensor().backward()
+        ra, rb = (t.detach().clone().requires_grad_() for t in (a, b))
+        cr, dr = torch.cat([ra, rb], 1), ra + rb[:, :3]
+        (cr.sum() + dr.square().sum()).backward()
+        return (
+            torch.allclose(c.full_tensor(), cr)
+            and torch.allclose(d.full_tensor(), dr)
+            and torch.allclose(a.grad, ra.grad)
+            and torch.allclose(b.grad, rb.grad)
+        )
+
+    assert ranks_for(3).run(body) == [True] * 3
