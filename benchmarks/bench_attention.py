@@ -29,21 +29,6 @@ import argparse
 import time
 
 
-def _received(events, rank):
-    total = 0.0
-    for e in events:
-        if e.rank != rank:
-            continue
-        g = len(e.group)
-        if e.kind == "recv":
-            total += e.bytes
-        elif e.kind == "all_gather":
-            total += e.bytes * (g - 1)
-        elif e.kind == "all_reduce":
-            total += 2 * e.bytes * (g - 1) / g
-    return total
-
-
 def body(b, h, s, d, reps):
     import weakref
 
@@ -185,10 +170,12 @@ def body(b, h, s, d, reps):
             forward()()
         dist.barrier()
         count = lambda t: sum(e.kind in ("recv", "all_gather", "all_reduce") for e in t.events)  # noqa: E731
+        from _common import received_bytes
+
         results[name] = dict(
             peak=mode.peak,
-            fwd=_received(t_f.events, me),
-            bwd=_received(t_b.events, me),
+            fwd=received_bytes(t_f.events, me),
+            bwd=received_bytes(t_b.events, me),
             messages=f"{count(t_f)} + {count(t_b)}",
             seconds=(time.perf_counter() - start) / reps,
         )

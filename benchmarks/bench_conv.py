@@ -20,23 +20,12 @@ import argparse
 import timeit
 
 
-def _fixed_mmap_threshold():
-    """glibc raises its mmap threshold after large frees (up to 32 MiB), after which big
-    tensors live on the heap and RSS stops following live memory: pin it at 128 KiB."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-    except OSError:
-        pass
-
-
 def _memory_step(size, channels, sharded, warmup=True):
     import resource
 
-    _fixed_mmap_threshold()
+    from _common import fixed_mmap_threshold
+
+    fixed_mmap_threshold()
     if warmup:  # first calls initialise caches and buffers: not the step's memory
         _memory_step(max(size // 16, 16), channels, sharded, warmup=False)
 

@@ -16,27 +16,6 @@ import argparse
 import time
 
 
-def _received(t, rank, n):
-    total = 0.0
-    for e in t.filter(rank=rank).events:
-        g = len(e.group)
-        if e.kind == "recv":
-            total += e.bytes
-        elif e.kind == "all_gather":
-            total += e.bytes * (g - 1)
-        elif e.kind == "all_reduce":
-            total += 2 * e.bytes * (g - 1) / g
-        elif e.kind == "reduce_scatter":
-            total += e.bytes * (g - 1) / g
-        elif e.kind == "all_to_all":
-            total += e.bytes * (g - 1) / g
-        elif e.kind == "broadcast" and e.peer != rank:
-            total += e.bytes
-        elif e.kind == "scatter" and e.peer != rank:
-            total += e.bytes
-    return total
-
-
 def body(rows, cols, reps):
     import torch
     import torch.distributed as dist
@@ -68,7 +47,9 @@ def body(rows, cols, reps):
         from shardlab.trace import Trace
 
         all_t = Trace([e for evs in got for e in evs])
-        return max(_received(all_t, r, n) for r in range(n))
+        from _common import received_bytes
+
+        return max(received_bytes(all_t.events, r) for r in range(n))
 
     # scatter from rank 0: each rank's own shard is the lower bound
     ours = lambda: scatter_tensor(g if me == 0 else None, 0, mesh, [Shard(0)])  # noqa: E731

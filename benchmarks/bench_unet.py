@@ -17,17 +17,6 @@ from __future__ import annotations
 import argparse
 
 
-def _fixed_mmap_threshold():
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-    except OSError:
-        pass
-
-
 def _unet(width):
     import torch.nn as nn
     import torch.nn.functional as F
@@ -73,7 +62,9 @@ def _sizes(size, n):
 def _memory_step(size, width, sharded, warmup=True):
     import resource
 
-    _fixed_mmap_threshold()
+    from _common import fixed_mmap_threshold
+
+    fixed_mmap_threshold()
     if warmup:  # first calls initialise caches and buffers: not the step's memory
         _memory_step(max(size // 8, 16), width, sharded, warmup=False)
 

@@ -1,0 +1,39 @@
+"""Measuring helpers shared by the benchmark scripts (not part of the library)."""
+
+from __future__ import annotations
+
+
+def fixed_mmap_threshold() -> None:
+    """glibc raises its mmap threshold after large frees (up to 32 MiB), after which big
+    tensors live on the heap and RSS stops following live memory: pin it at 128 KiB."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    except OSError:
+        pass
+
+
+def received_bytes(events, rank: int) -> float:
+    """Bytes ``rank`` receives: a ``recv`` counts its size; collectives count what a ring
+    algorithm delivers to each rank (all_gather (n-1) x input, all_reduce 2 (n-1)/n x
+    input, reduce_scatter and all_to_all (n-1)/n x input, broadcast and scatter the
+    tensor or chunk on non-root ranks)."""
+    total = 0.0
+    for e in events:
+        if e.rank != rank:
+            continue
+        g = len(e.group)
+        if e.kind == "recv":
+            total += e.bytes
+        elif e.kind == "all_gather":
+            total += e.bytes * (g - 1)
+        elif e.kind == "all_reduce":
+            total += 2 * e.bytes * (g - 1) / g
+        elif e.kind in ("reduce_scatter", "all_to_all"):
+            total += e.bytes * (g - 1) / g
+        elif e.kind in ("broadcast", "scatter") and e.peer != rank:
+            total += e.bytes
+    return total
