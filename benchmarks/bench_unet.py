@@ -52,9 +52,10 @@ def _unet(width):
 
 
 def _sizes(size, n):
-    """Uneven shards whose boundaries are multiples of 4 (two pooling levels)."""
-    base = [size // n // 4 * 4] * n
-    base[0] += 8 if n > 1 else 0
+    """Uneven shards: the first rank gets size/(4n) more rows, the last that many fewer."""
+    base = [size // n] * n
+    extra = size // (4 * n) if n > 1 else 0
+    base[0] += extra
     base[-1] = size - sum(base[:-1])
     return base
 
