@@ -108,7 +108,10 @@ def _conv(name: str, n: int, transposed: bool):
                     f"spatial dims); redistribute it to Replicate() first"
                 )
         x = input.to_local()  # (N, C, *local spatial)
-        recipe = WindowRecipe(x)  # the conv will keep (block, halos), not a window copy
+        # a leaf input (the image) stays alive anyway: let the conv keep (block, halos) and
+        # rebuild its window in backward; a computed input is freed after this layer, so
+        # the conv keeps the window itself (rebuilding would add a block at the peak)
+        recipe = WindowRecipe(x if (input.is_leaf or not input.requires_grad) else None)
         w = replicated_param(weight, mesh, layout.placements)
         b = replicated_param(bias, mesh, layout.placements)
         local_pad, local_out_pad, crops, out_sizes = [], [], {}, {}

@@ -149,6 +149,8 @@ class WindowRecipe:
         ptr, shape = window.data_ptr(), window.shape
 
         def pack(t):
+            if self.block is None:
+                return t
             if self.stages and t.data_ptr() == ptr and t.shape == shape and ptr:
                 return self
             return t
