@@ -184,7 +184,7 @@ def _conv(name: str, n: int, transposed: bool):
                 sizes.append(list(layout.sizes_along(0)))
             else:
                 sizes.append(out_sizes.get(m))
-        shape = _global_out_shape(input.shape, weight, y, layout, out_sizes, transposed, groups)
+        shape = _global_out_shape(input.shape, y, layout, out_sizes)
         return ShardTensor.from_local(y, mesh, layout.placements, sizes, shape=shape)
 
     handler.__name__ = name
@@ -227,7 +227,8 @@ def _empty_output(
     return x.new_zeros(shape) + tie
 
 
-def _global_out_shape(in_shape, weight, y, layout, out_sizes, transposed, groups):
+def _global_out_shape(in_shape, y, layout, out_sizes):
+    """Global output shape: local dims, the batch and the summed sharded spatial sizes."""
     shape = list(y.shape)
     shape[0] = in_shape[0]
     for m, p in enumerate(layout.placements):
