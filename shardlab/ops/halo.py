@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.layout import ConvPlan
+from shardlab.tensor.comm import run_p2p
 from shardlab.trace import label
 
 
@@ -24,9 +25,7 @@ def _exchange(sends, recvs):
     """Post all sends and receives at once; return when they are done."""
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    run_p2p(ops)
 
 
 class Halo(torch.autograd.Function):

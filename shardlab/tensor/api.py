@@ -459,9 +459,7 @@ def _scatter_blocks(tensor, src, mesh, layout):
             mine = torch.empty(layout.local_shape(coord), dtype=tensor.dtype, device=tensor.device)
             if layout.numel(coord):
                 ops.append(dist.P2POp(dist.irecv, mine, src))
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+    comm.run_p2p(ops)
     return mine
 
 
@@ -487,9 +485,7 @@ def _gather_blocks(local, src, mesh, layout):
             bufs.append((box, buf))
         elif r == me and layout.numel(coord):
             ops.append(dist.P2POp(dist.isend, local.contiguous(), src))
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+    comm.run_p2p(ops)
     for box, buf in bufs:
         full[box] = buf
     return full

@@ -42,6 +42,13 @@ def rank_at(mesh, coord) -> int:
     return int(mesh.mesh[tuple(coord)].item())
 
 
+def run_p2p(ops: list) -> None:
+    """Post every point-to-point op at once (``batch_isend_irecv``) and wait for all."""
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 def move(local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh) -> torch.Tensor:
     """Carry out ``redistribute_plan(src, dst)`` for this rank (no Partial on either side).
 
@@ -62,9 +69,7 @@ def move(local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh) -> torch
             buf = local.new_empty([b - a for a, b in mv.box])
             ops.append(dist.P2POp(dist.irecv, buf, rank_at(mesh, mv.src)))
             received.append((mv, buf))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    run_p2p(ops)
     for mv, buf in received:
         out[mv.dst_slices()] = buf
     return out
@@ -101,9 +106,7 @@ def _reduce_scatter_v(local, m, d, sizes, mesh, op) -> torch.Tensor:
         if sizes[me[m]]:
             bufs.append(torch.empty_like(mine))
             ops.append(dist.P2POp(dist.irecv, bufs[-1], peer))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    run_p2p(ops)
     for b in bufs:
         mine = (
             mine + b
