@@ -24,6 +24,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardlab.layout import ShardLayout
 from shardlab.tensor import comm
+from shardlab.tensor.losses import LOSSES, reduce_loss
 
 __all__ = ["ShardTensor", "scatter_tensor", "distribute"]
 
@@ -193,6 +194,10 @@ class ShardTensor(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         args, kwargs = _lift_trainable(args, kwargs)
+        if func in LOSSES:  # losses: unreduced, then the exact mean/sum
+            out = reduce_loss(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         if func in _MATMULS and len(args) >= 2:
             from shardlab.tensor import matmul
 
