@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 01 · Uneven shards: a tensor cut into pieces of any size
+# # 04 · Uneven shards: a tensor cut into pieces of any size
 #
 # A *sharded* tensor is one global tensor cut into blocks, one per rank. DTensor
 # describes the cut with **placements**: `Shard(d)` cuts dim `d`, `Replicate()`
@@ -25,7 +25,7 @@
 
 # %%
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Shard
 
 import shardlab
 from shardlab import viz
@@ -45,7 +45,7 @@ ranks = shardlab.Ranks(WORLD)
 SIZES = [18 - 4 * (WORLD - 1)] + [4] * (WORLD - 1) if WORLD > 1 else [18]
 layout = ShardLayout.build((18, 3), (WORLD,), [Shard(0)], [SIZES])
 print(layout)
-_ = viz.plot_placements(layout)
+viz.plot_placements(layout)
 
 # %%
 def make(sizes):

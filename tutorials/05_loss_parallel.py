@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 03 · Loss parallelism: cross-entropy over sharded classes
+# # 05 · Loss parallelism: cross-entropy over sharded classes
 #
 # A language model's last layer produces logits of shape (tokens, vocabulary).
 # With a 128k vocabulary that tensor is large, so tensor parallelism keeps it
@@ -37,8 +37,8 @@ CLASSES = [3 + 2 * r for r in range(WORLD)]  # uneven class shards, e.g. [3, 5, 
 print("classes per rank:", CLASSES)
 
 # %%
-_ = viz.plot_placements(mesh_shape=(WORLD,), placements=[Shard(1)],
-                        global_shape=(6, sum(CLASSES)), sizes=[CLASSES])
+viz.plot_placements(mesh_shape=(WORLD,), placements=[Shard(1)],
+                    global_shape=(6, sum(CLASSES)), sizes=[CLASSES])
 
 # %% [markdown]
 # ## The unchanged `nn.CrossEntropyLoss`

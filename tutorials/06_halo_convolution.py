@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 02 · Domain-parallel convolution: halos
+# # 06 · Domain-parallel convolution: halos
 #
 # An image too large for one device can be cut into bands of rows, one band
 # per rank. A 3×3 convolution at the edge of a band needs one row that lives
@@ -39,7 +39,7 @@ print("rows per rank:", SIZES)
 # padding at the image border.
 
 # %%
-_ = viz.plot_halos(SIZES, kernel_size=3, padding=1)
+viz.plot_halos(SIZES, kernel_size=3, padding=1)
 
 # %% [markdown]
 # With a stride, a dilation or a larger kernel the halos change; try
@@ -89,7 +89,7 @@ from shardlab.trace import Trace
 trace = Trace([e for _, _, events in results for e in events])
 print(trace.table())
 assert all(e.bytes == 3 * 8 * 8 for e in trace)
-_ = viz.plot_collectives(trace)
+viz.plot_collectives(trace)
 
 # %%
 ranks.close()

@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 04 · Attention over a sharded sequence: ring attention
+# # 07 · Attention over a sharded sequence: ring attention
 #
 # With the sequence cut into blocks, each rank holds its queries, keys and
 # values. Every query needs *every* key and value, so the K/V blocks travel
@@ -73,7 +73,7 @@ print("forward and query gradient equal one device")
 trace = Trace([e for _, events in results for e in events])
 print(trace.counts(rank=0))
 assert trace.counts(rank=0)["recv"] == 2 * (WORLD - 1)  # K and V of every other rank
-_ = viz.plot_collectives(trace)
+viz.plot_collectives(trace)
 
 # %%
 ranks.close()
