@@ -22,6 +22,7 @@
 # its output equals single-device attention.
 
 # %%
+import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
@@ -73,7 +74,8 @@ print("forward and query gradient equal one device")
 trace = Trace([e for _, events in results for e in events])
 print(trace.counts(rank=0))
 assert trace.counts(rank=0)["recv"] == 2 * (WORLD - 1)  # K and V of every other rank
-viz.plot_collectives(trace)
+fig, ax = plt.subplots(figsize=(12, 3.6))  # wide enough for the ring's 12 steps
+_ = viz.plot_collectives(trace, ax=ax)
 
 # %%
 ranks.close()

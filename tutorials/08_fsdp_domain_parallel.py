@@ -37,6 +37,7 @@
 # %%
 import copy
 
+import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -129,7 +130,8 @@ for kind, group in groups:
 
 # %%
 step = shardlab.trace.Trace([e for *_, events in results for e in events])
-viz.plot_collectives(step, max_events=80)
+fig, ax = plt.subplots(figsize=(15, 4))
+_ = viz.plot_collectives(step, ax=ax)
 
 # %%
 ranks.close()

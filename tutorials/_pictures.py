@@ -3,7 +3,7 @@
     python tutorials/_pictures.py            # writes tutorials/images/<notebook>.png
 
 Each notebook runs in a fresh kernel (as nbval runs it); the chosen figure is the n-th
-image the notebook displays, scaled to 720 pixels wide.
+image the notebook displays, scaled to at most 900 pixels wide.
 """
 
 import base64
@@ -47,8 +47,8 @@ def main() -> None:
     out.mkdir(exist_ok=True)
     for stem, index in CHOSEN.items():
         picture = Image.open(io.BytesIO(images_of(HERE / f"{stem}.ipynb")[index]))
-        if picture.width > 720:
-            picture = picture.resize((720, round(picture.height * 720 / picture.width)))
+        if picture.width > 900:
+            picture = picture.resize((900, round(picture.height * 900 / picture.width)))
         picture.convert("RGB").save(out / f"{stem}.png", optimize=True)
         print(f"{stem}: image {index} -> {out / stem}.png")
 
