@@ -194,7 +194,7 @@ class ShardTensor(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         args, kwargs = _lift_trainable(args, kwargs)
-        if func in LOSSES:  # losses: unreduced, then the exact mean/sum
+        if func in LOSSES or func is torch.nn.functional.cross_entropy:  # exact means
             out = reduce_loss(func, args, kwargs)
             if out is not NotImplemented:
                 return out

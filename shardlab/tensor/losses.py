@@ -13,16 +13,23 @@ for equal shards. So, at the ``__torch_function__`` level, before autograd sees 
 The backward is the unreduced loss's backward times a constant (``1 / numel`` of the *global*
 tensor for a mean): local, no messages.
 
-Not here: ``nll_loss``/``cross_entropy`` (their mean divides by the summed class weights;
-``F.cross_entropy`` is patched, see :mod:`shardlab.ops.cross_entropy`), and the ``weight=``
-forms of ``mse_loss``/``l1_loss``/``huber_loss``, which torch itself writes as sums of
-ordinary ops (exact on ShardTensors already).
+``nll_loss`` averages with weights: its mean is ``sum(losses) / sum(weight[target])`` over
+the targets not ignored. The denominator is the same loss, summed, of an input of -1s.
+
+``F.cross_entropy`` on a ShardTensor goes to shardlab's sharded cross-entropy
+(:mod:`shardlab.ops.cross_entropy`) whether or not :func:`shardlab.patched` is active:
+DTensor's rule averages the local means, wrong as soon as ranks ignore different numbers
+of targets.
+
+Not here: the ``weight=`` forms of ``mse_loss``/``l1_loss``/``huber_loss``, which torch
+itself writes as sums of ordinary ops (exact on ShardTensors already).
 """
 
 from __future__ import annotations
 
 import inspect
 
+import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 
@@ -48,6 +55,7 @@ LOSSES = {
         F.multi_margin_loss,
         F.multilabel_soft_margin_loss,
         F.multilabel_margin_loss,
+        F.nll_loss,
     )
 }
 _WEIGHTED_BY_SUM = {F.mse_loss, F.l1_loss, F.huber_loss}  # mean = sum(w * e) / sum(w)
@@ -60,6 +68,11 @@ def reduce_loss(func, args, kwargs):
     :data:`LOSSES`, the call asks for ``reduction='none'``, or it is one torch already writes
     with exact ops.
     """
+    if func is F.cross_entropy:
+        import shardlab.ops  # noqa: F401  (registers the handlers)
+        from shardlab.ops.registry import HANDLERS
+
+        return HANDLERS["cross_entropy"](*args, **kwargs)
     signature = LOSSES.get(func)
     if signature is None:
         return NotImplemented
@@ -79,6 +92,9 @@ def reduce_loss(func, args, kwargs):
         raise ValueError(f"{func.__name__}: {reduction!r} is not a valid value for reduction")
     call["reduction"] = "none"
     losses = func(*bound.args, **bound.kwargs)  # a ShardTensor again, unreduced this time
+    if func is F.nll_loss and reduction == "mean":  # / the weights of the counted targets
+        call["input"], call["reduction"] = -torch.ones_like(call["input"].detach()), "sum"
+        return losses.sum() / func(*bound.args, **bound.kwargs)
     if batchmean:  # torch: sum / input.size(0), the *global* batch size
         return losses.sum() / call["input"].shape[0]
     return losses.mean() if reduction == "mean" else losses.sum()

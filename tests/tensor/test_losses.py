@@ -133,3 +133,50 @@ def test_bad_reduction_is_a_value_error(ranks_for):
         return True
 
     assert ranks_for(2).run(body) == [True, True]
+
+
+def _nll_body(world, cases, seed):
+    """nll_loss and cross_entropy with class weights and ignored targets, *without*
+    ``shardlab.patched()``: rows, classes or the extra dim sharded, uneven sizes."""
+
+    def body():
+        me = this_rank()
+        rng = random.Random(seed)
+        done = []
+        for i in range(cases):
+            fn = [F.nll_loss, F.cross_entropy][i % 2]
+            reduction = rng.choice(["mean", "sum", "none"])
+            n, c, length = rng.randint(1, 6), rng.randint(2, 5), rng.randint(1, 5)
+            d = rng.choice([0, 1, 2])  # input dim sharded; target (N, L) follows dims 0 / 2
+            sizes = [random_sizes(rng, (n, c, length)[d], world)]
+            gen = torch.Generator().manual_seed(seed * 1000 + i)
+            logits = torch.randn(n, c, length, generator=gen, dtype=torch.float64)
+            if fn is F.nll_loss:
+                logits = logits.log_softmax(1)
+            target = torch.randint(0, c, (n, length), generator=gen)
+            target[torch.rand(n, length, generator=gen) < 0.3] = -100  # ignored
+            weight = torch.rand(c, generator=gen, dtype=torch.float64) + 0.1
+            ref_x = logits.clone().requires_grad_()
+            ref = fn(ref_x, target, weight=weight, reduction=reduction)
+            ref.sum().backward()
+            x = logits.clone().requires_grad_()
+            st = distribute(x, me.mesh, [Shard(d)], sizes=sizes)
+            tt = target if d == 1 else distribute(target, me.mesh, [Shard(d // 2)], sizes=sizes)
+            out = fn(st, tt, weight=weight, reduction=reduction)
+            value = out.full_tensor()
+            case = (fn.__name__, reduction, (n, c, length), d, sizes)
+            assert torch.allclose(value, ref, atol=1e-12, equal_nan=True), case
+            value.sum().backward()
+            if not ref.isnan().any():  # every target ignored: nan, as torch
+                assert torch.allclose(x.grad, ref_x.grad, atol=1e-12), case
+            done.append(fn.__name__)
+        return sorted(set(done))
+
+    return body
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_nll_and_cross_entropy_with_ignored_targets_unpatched(ranks_for, world):
+    """DTensor averages the local means here: wrong when ranks ignore different counts."""
+    got = ranks_for(world).run(_nll_body(world, 24, seed=world))
+    assert got[0] == ["cross_entropy", "nll_loss"]
