@@ -25,6 +25,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from shardlab.layout import ShardLayout
 from shardlab.tensor import comm
 from shardlab.tensor.losses import LOSSES, reduce_loss
+from shardlab.tensor.norms import NORMS, norm_of
 
 __all__ = ["ShardTensor", "scatter_tensor", "distribute"]
 
@@ -194,6 +195,8 @@ class ShardTensor(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         args, kwargs = _lift_trainable(args, kwargs)
+        if func in NORMS:  # norms: element-wise ops + exact sums / maxima
+            return norm_of(func, args, kwargs)
         if func in LOSSES or func is torch.nn.functional.cross_entropy:  # exact means
             out = reduce_loss(func, args, kwargs)
             if out is not NotImplemented:

@@ -129,8 +129,17 @@ def redistribute_local(
         # 1. reduce Partial mesh dims that the target does not keep Partial
         for m, p in enumerate(src.placements):
             if isinstance(p, Partial) and dst.placements[m] != p:
+                if type(p) is not Partial:  # DTensor's own kinds (a p-norm's): its rule
+                    local = p._reduce_value(local, mesh, m)
+                    local = local.wait() if hasattr(local, "wait") else local
+                    src = _as_replicate(src, [m])
+                    continue
                 if p.reduce_op not in _REDUCE_OPS:
-                    raise NotImplementedError(f"Partial({p.reduce_op!r}) cannot be reduced")
+                    raise NotImplementedError(
+                        f"{p} on mesh dim {m} (e.g. prod() or all() over a sharded dim) "
+                        "cannot be reduced: supported are Partial sum, max and min. "
+                        "Redistribute the input to Replicate() on that mesh dim first."
+                    )
                 q = dst.placements[m]
                 if (
                     isinstance(q, Shard)
