@@ -30,48 +30,16 @@ import time
 
 
 def body(b, h, s, d, reps):
-    import weakref
 
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.tensor import Shard
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
 
     import shardlab
     from shardlab import ShardTensor
+    from shardlab.demo._common import LiveBytes  # peak bytes of tensors made in a block
     from shardlab.ops import attention
-
-    class LiveBytes(TorchDispatchMode):
-        """Peak bytes of the storages created inside the block that are still alive."""
-
-        def __init__(self):
-            super().__init__()
-            self.live, self.now, self.peak = {}, 0, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(isinstance(a, ShardTensor) for a in tree_leaves((args, kwargs))):
-                return NotImplemented  # count the local tensors ShardTensor makes instead
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if type(t) is torch.Tensor and t.untyped_storage().data_ptr():
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr not in self.live:
-                        self.live[ptr] = [0, t.untyped_storage().nbytes()]
-                        self.now += self.live[ptr][1]
-                        self.peak = max(self.peak, self.now)
-                    self.live[ptr][0] += 1
-                    weakref.finalize(t, self._drop, ptr)
-            return out
-
-        def _drop(self, ptr):
-            entry = self.live.get(ptr)
-            if entry is not None:
-                entry[0] -= 1
-                if entry[0] == 0:
-                    self.now -= entry[1]
-                    del self.live[ptr]
 
     torch.set_num_threads(1)
     mesh = shardlab.this_rank().mesh
