@@ -206,11 +206,12 @@ def _with_local_shapes(func, args, kwargs, out_sharding, shards):
     global_shape = list(layout.global_shape)
     local_shape = list(layout.local_shape(comm.my_coord(spec.mesh)))
 
-    def fix(a):
-        return local_shape if isinstance(a, (list, tuple)) and list(a) == global_shape else a
+    def fix(a):  # a shape argument (ints only: not a list of tensors, as torch.cat's)
+        is_shape = isinstance(a, (list, tuple)) and all(isinstance(v, int) for v in a)
+        return local_shape if is_shape and list(a) == global_shape else a
 
-    local_args = [fix(_local(a)) for a in args]
-    local_kwargs = {k: fix(_local(v)) for k, v in kwargs.items()}
+    local_args = [fix(tree_map(_local, a)) for a in args]  # lists too (torch.cat)
+    local_kwargs = {k: fix(tree_map(_local, v)) for k, v in kwargs.items()}
     return wrap(func(*local_args, **local_kwargs), spec, shards, func)
 
 

@@ -127,6 +127,26 @@ def test_unsupported_op_on_uneven_shards_is_a_clear_error(ranks_for):
         assert "edistribute" in msg
 
 
+def test_cat_of_uneven_shards(ranks_for):
+    """torch.cat takes a list of ShardTensors: along another dim it runs on the blocks;
+    along the sharded dim (uneven) it is a clear error, not a recursion."""
+
+    def body():
+        mesh = this_rank().mesh
+        g = torch.randn(7, 4, dtype=torch.float64)
+        st = distribute(g, mesh, [Shard(0)], sizes=[4, 2, 1])
+        side = torch.cat([st, 2 * st], 1)
+        ok = torch.equal(side.full_tensor(), torch.cat([g, 2 * g], 1))
+        try:
+            torch.cat([st, st], 0)
+        except NotImplementedError as exc:
+            return ok, str(exc)
+        return ok, None
+
+    for ok, msg in ranks_for(3).run(body):
+        assert ok and msg and "cat on a ShardTensor" in msg and "Replicate()" in msg
+
+
 def test_even_layouts_use_dtensor_and_stay_shardtensors(ranks_for):
     def body():
         mesh = this_rank().mesh
