@@ -415,12 +415,30 @@ def scatter_tensor(tensor, src: int, device_mesh, placements, sizes=None) -> Sha
     from shardlab.trace import label
 
     with label("scatter_tensor.meta"):
-        dist.broadcast_object_list(meta, src=src)
+        _broadcast_in_mesh(meta, src, mesh)
     shape, dtype, requires_grad = meta
     layout = ShardLayout.build(shape, tuple(mesh.shape), placements, sizes)
     if me != src:
         tensor = torch.empty(0, dtype=dtype, device=mesh.device_type, requires_grad=requires_grad)
     return _Scatter.apply(tensor, src, mesh, layout)
+
+
+def _broadcast_in_mesh(objects: list, src: int, mesh) -> None:
+    """``broadcast_object_list`` from global rank ``src`` to the ranks of ``mesh`` only, along
+    its groups: last mesh dim first (src's row), then each earlier dim (every column)::
+
+        step dim 1: (r0, c0) -> (r0, *)        step dim 0: (r0, c) -> (*, c) for every c
+    """
+    grid = mesh.mesh
+    if src not in grid.flatten().tolist():
+        raise ValueError(f"src={src} is not a rank of the mesh {grid.tolist()}")
+    at = tuple(int(i) for i in (grid == src).nonzero()[0])  # src's coordinate
+    me = comm.my_coord(mesh)
+    for m in reversed(range(mesh.ndim)):
+        if me[:m] != at[:m]:
+            continue  # not on this step's lines through src: gets it at an earlier dim
+        root = comm.rank_at(mesh, at[: m + 1] + tuple(me[m + 1 :]))
+        dist.broadcast_object_list(objects, src=root, group=mesh.get_group(m))
 
 
 class _Scatter(torch.autograd.Function):

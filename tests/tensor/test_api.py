@@ -167,6 +167,33 @@ def test_redistribute_moves_exactly_the_lower_bound(ranks_for, world):
             assert set(kinds) <= {"send", "recv"}
 
 
+def test_scatter_tensor_on_a_2d_mesh_and_on_sub_meshes(ranks_for):
+    """The shape is broadcast along the mesh's groups only: each row of a 2x2 mesh can
+    scatter its own tensor from its own source at the same time; any source on the 2-D mesh."""
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "domain"))
+        me = dist.get_rank()
+        row = mesh["domain"]  # ranks [0, 1] or [2, 3]
+        src = int(row.mesh[1])  # the row's second rank holds the data
+        g = torch.arange(30.0).reshape(10, 3) + 100 * (me // 2)  # different per row
+        x = g if me == src else None
+        st = scatter_tensor(x, src, row, [Shard(0)], sizes=[7, 3])
+        ok = torch.equal(st.full_tensor(), g)
+        for src in range(4):
+            x = g if me == src else None
+            st = scatter_tensor(
+                x, src, mesh, [Shard(0), Shard(1)], sizes=[[6, 4], [3, 0]]
+            )
+            want = torch.arange(30.0).reshape(10, 3) + 100 * (src // 2)
+            ok &= torch.equal(st.full_tensor(), want)
+        return ok
+
+    assert ranks_for(4).run(body) == [True] * 4
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_scatter_tensor_each_rank_receives_only_its_shard(ranks_for, world):
     def body():
