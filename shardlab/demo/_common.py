@@ -33,10 +33,11 @@ def reps_of(args) -> int:
     return args.reps or (2 if args.quick else 3)
 
 
-def gather(obj) -> list:
-    """``obj`` of every rank, in rank order, on every rank (one all-gather of pickles)."""
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def gather(obj, group=None) -> list:
+    """``obj`` of every rank of ``group`` (default: all), in rank order, on each of them
+    (one all-gather of pickles)."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -45,22 +46,22 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(step: Callable, reps: int, device, together: bool = True) -> float:
+def median_seconds(step: Callable, reps: int, device, together: bool = True, group=None) -> float:
     """Median wall time of ``step()`` over ``reps`` runs (call after a warm-up step).
 
-    ``together=True`` (all ranks call it): every run starts after a barrier and lasts
-    until the slowest rank finishes. ``together=False``: this rank alone (single device).
+    ``together=True`` (all ranks of ``group`` call it): every run starts after a barrier
+    and lasts until the slowest rank finishes. ``together=False``: this rank alone.
     """
     times = []
     for _ in range(reps):
         if together:
-            dist.barrier()
+            dist.barrier(group=group)
         start = time.perf_counter()
         step()
         _sync(device)
         times.append(time.perf_counter() - start)
     if together:  # a run lasts as long as its slowest rank
-        times = [max(ts) for ts in zip(*gather(times))]
+        times = [max(ts) for ts in zip(*gather(times, group))]
     return statistics.median(times)
 
 

@@ -49,23 +49,32 @@ def _step(net, x):
     return y
 
 
-def one_size(size: int, args) -> dict:
-    """Measure one image size on every rank; returns the same row on every rank."""
+def rank_counts(world: int) -> list[int]:
+    """The numbers of ranks a run compares: 2, 4, 8, ... up to the world, and the world."""
+    counts = [k for k in (2**i for i in range(1, 16)) if k < world]
+    return [*counts, world] if world > 1 else [1]
+
+
+def one_size(size: int, args, mesh, single: dict) -> dict | None:
+    """Measure one image size on the ranks of ``mesh`` (the first k ranks); the others
+    return None at once. ``single`` caches rank 0's one-device figures per size."""
     ctx = shardlab.this_rank()
-    me, dev, c = ctx.rank, ctx.device, CHANNELS
+    if mesh.get_coordinate() is None:
+        return None  # not one of these k ranks
+    me, dev, c, group = ctx.rank, ctx.device, CHANNELS, mesh.get_group()
     reps = common.reps_of(args)
     net = model(c, LAYERS, dev)
     img = None
     if me == 0:  # the full image exists on rank 0 only
         gen = torch.Generator(device=dev).manual_seed(size)
         img = torch.randn(1, c, size, size, generator=gen, device=dev)  # (1, C, H, W)
-    x = shardlab.scatter_tensor(img, 0, ctx.mesh, [Shard(2)])  # mine: (1, C, ~H/N, W)
+    x = shardlab.scatter_tensor(img, 0, mesh, [Shard(2)])  # mine: (1, C, ~H/k, W)
     rows = x.to_local().shape[2]
 
-    with shardlab.trace() as t:  # the warm-up step, traced
+    with shardlab.trace(mesh=mesh) as t:  # the warm-up step, traced
         y = _step(net, x)
     got = [y.full_tensor(), *(p.grad for p in net.parameters())]  # all-gather: check only
-    seconds = common.median_seconds(lambda: _step(net, x), reps, dev)
+    seconds = common.median_seconds(lambda: _step(net, x), reps, dev, group=group)
     peak = common.peak_bytes(lambda: _step(net, x), dev)
     mine = {
         "recv": common.received_bytes(t.filter(kind="recv")),  # halo rows
@@ -77,14 +86,18 @@ def one_size(size: int, args) -> dict:
         ref = _step(net, img)
         want = [ref, *(p.grad for p in net.parameters())]
         mine["err"] = common.rel_error(zip(got, want))
-        mine["single"] = common.median_seconds(lambda: _step(net, img), reps, dev, False)
-        mine["single_peak"] = common.peak_bytes(lambda: _step(net, img), dev)
+        if size not in single:
+            single[size] = (
+                common.median_seconds(lambda: _step(net, img), reps, dev, False),
+                common.peak_bytes(lambda: _step(net, img), dev),
+            )
+        mine["single"], mine["single_peak"] = single[size]
     del got, y
-    ranks = common.gather(mine)  # the others wait here for rank 0
-    common.check(ranks[0]["err"], f"conv, image {size}")
+    ranks = common.gather(mine, group)  # the others wait here for rank 0
+    common.check(ranks[0]["err"], f"conv, image {size}, {mesh.size()} ranks")
     return {
         "image": size,
-        "ranks": ctx.world_size,
+        "ranks": mesh.size(),
         "rows_per_rank": [r["rows"] for r in ranks],
         "ms": 1e3 * seconds,
         "single_ms": 1e3 * ranks[0]["single"],
@@ -117,30 +130,35 @@ def run(args) -> list[dict]:
     """All image sizes on the current ranks; rank 0 prints the table and saves the plot."""
     import os
 
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
     ctx = shardlab.this_rank()
-    rows = [one_size(s, args) for s in common.sizes_of(args, SIZES, QUICK)]
-    n = ctx.world_size
+    n, single, rows = ctx.world_size, {}, []
+    for k in rank_counts(n):  # the first k ranks: every rank builds each group
+        mesh = ctx.mesh if k == n else DeviceMesh(ctx.device.type, list(range(k)))
+        for size in common.sizes_of(args, SIZES, QUICK):
+            rows.append(one_size(size, args, mesh, single))
+        dist.barrier()  # the ranks left out wait for this k to finish
+    shared = [rows if ctx.rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)  # every rank returns rank 0's rows
+    rows = sorted(shared[0], key=lambda r: (r["image"], r["ranks"]))
     common.print_table(
         f"conv: {LAYERS} x Conv2d({CHANNELS}, {CHANNELS}, 3, padding=1) on "
-        f"(1, {CHANNELS}, H, H) float32, H sharded over {n} {ctx.backend} ranks, "
+        f"(1, {CHANNELS}, H, H) float32, H sharded over k of {n} {ctx.backend} ranks, "
         f"forward + backward (median of {common.reps_of(args)}; 1 device = rank 0 alone); "
         f"checked against 1 device (max rel err <= {common.TOL:g})",
         COLUMNS,
         rows,
     )
-    xs = [r["image"] for r in rows]
+    by_k = {k: [r for r in rows if r["ranks"] == k] for k in rank_counts(n)}
+    xs = [r["image"] for r in by_k[n]]
+    lines = {f"sharded, {k} ranks": (xs, [r["ms"] for r in rs]) for k, rs in by_k.items()}
+    lines["1 device"] = (xs, [r["single_ms"] for r in by_k[n]])
     common.save_plot(
         os.path.join(args.out, "conv.png"),
         f"halo conv, {LAYERS} layers, {CHANNELS} channels",
         "image size H = W",
-        [
-            (
-                "forward + backward, ms",
-                {
-                    f"sharded, {n} ranks": (xs, [r["ms"] for r in rows]),
-                    "1 device": (xs, [r["single_ms"] for r in rows]),
-                },
-            )
-        ],
+        [("forward + backward, ms", lines)],
     )
     return rows

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import shardlab
 from shardlab.demo import attention, conv, loss
@@ -48,6 +49,22 @@ def test_conv(ranks_for, tmp_path):
         # a ring all-reduce delivers 2 (N-1)/N x the payload to each rank
         grads = layers * (c * c * 9 + c) * F32
         assert r["reduce_bytes"] == pytest.approx(2 * (WORLD - 1) / WORLD * grads)
+
+
+def test_conv_compares_numbers_of_ranks(ranks_for, tmp_path):
+    """On 3 ranks the table has rows for 2 ranks (the first two; the third waits) and 3."""
+    assert conv.rank_counts(1) == [1] and conv.rank_counts(3) == [2, 3]
+    assert conv.rank_counts(8) == [2, 4, 8] and conv.rank_counts(6) == [2, 4, 6]
+    args = parse_args(["conv", "--quick", "--sizes", "16", "--out", str(tmp_path)])
+    per_rank = ranks_for(3).run(conv.run, args)
+    rows = per_rank[0]
+    assert all(r == rows for r in per_rank) and [r["ranks"] for r in rows] == [2, 3]
+    row = 16 * conv.CHANNELS * F32  # one image row
+    for r in rows:
+        k = r["ranks"]
+        assert r["ok"] and r["rows_per_rank"] == [len(c) for c in torch.arange(16).chunk(k)]
+        edges = [(i > 0) + (i < k - 1) for i in range(k)]  # neighbours of each rank
+        assert r["halo_bytes_per_rank"] == [e * row * (2 * conv.LAYERS - 1) for e in edges]
 
 
 def test_attention(ranks_for, tmp_path):
