@@ -93,14 +93,25 @@ for rank, (received, block) in enumerate(ranks.run(scatter, SIZES)):
 # %%
 def to_columns(sizes):
     mesh = shardlab.this_rank().mesh
-    st = shardlab.distribute(torch.arange(54.0).reshape(18, 3), mesh, [Shard(0)], [sizes])
+    x = torch.arange(54.0).reshape(18, 3)
+    st = shardlab.distribute(x, mesh, [Shard(0)], [sizes])
     with shardlab.trace() as t:
         cols = st.redistribute(mesh, [Shard(1)])
-    return tuple(cols.to_local().shape), t.counts()
+    same = torch.equal(cols.full_tensor(), x)  # the same global tensor, now by columns
+    return tuple(cols.to_local().shape), t.counts(), same, cols.layout, t.events
 
 
-for rank, (shape, counts) in enumerate(ranks.run(to_columns, SIZES)):
+results = ranks.run(to_columns, SIZES)
+for rank, (shape, counts, same, _, _) in enumerate(results):
     print(f"rank {rank}: now holds {shape}, messages {counts}")
+    assert same
+viz.plot_placements(results[0][3])
+
+# %% [markdown]
+# Each arrow is one piece: the rows a rank had, of the columns another rank now owns.
+
+# %%
+viz.plot_collectives(shardlab.trace.Trace([e for *_, events in results for e in events]))
 
 # %% [markdown]
 # Close the ranks.

@@ -68,12 +68,14 @@ def loss_parallel(classes):
         loss.backward()
     same = abs(float(loss.detach()) - float(loss_fn(logits, target))) < 1e-12
     same_grad = torch.allclose(block.grad, ref_logits.grad[:, start : start + classes[me.rank]])
-    return same, same_grad, forward.counts(), backward.counts()
+    return same, same_grad, forward.counts(), backward.counts(), forward.events
 
 
-for rank, (same, same_grad, fwd, bwd) in enumerate(ranks.run(loss_parallel, CLASSES)):
+results = ranks.run(loss_parallel, CLASSES)
+for rank, (same, same_grad, fwd, bwd, _) in enumerate(results):
     print(f"rank {rank}: forward {fwd}, backward {bwd or 'no messages'}")
     assert same and same_grad and fwd == {"all_reduce": 2} and not bwd
+viz.plot_collectives(shardlab.trace.Trace([e for *_, events in results for e in events]))
 
 # %% [markdown]
 # Two all-reduces of a few numbers per token in forward, none in backward: the
