@@ -121,8 +121,9 @@ for kind, group in groups:
 #   the summed gradient of its own parameter shard (`1/dp` of the model).
 # - `send`/`recv` within the `domain` group: the halo rows of the convolutions,
 #   forward and backward (a 1×1 conv needs none).
-# - `all_reduce` within the `domain` group: the loss's mean over the image and
-#   the weight gradients, which each band of rows contributes to.
+# - `all_reduce` within the `domain` group: the weight and bias gradients of each
+#   convolution, which every band of rows contributes to. (The loss itself stays a
+#   partial sum until someone reads it: no message.)
 #
 # Neither kind of parallelism needs to know about the other: they meet only in
 # the mesh. As a picture: the training step's messages on every rank (the
