@@ -8,8 +8,9 @@ passes the K/V blocks around the ring, so every query block meets every key bloc
     step 1:  r0 [q0 . kv1]  r1 [q1 . kv0]      K, V moved one hop (N = 2)
 
 Forward: each rank receives the N-1 other K and V blocks once. Backward: the K/V blocks
-again, plus the dK/dV accumulators coming home. A rank never holds more than one
-(S/N x S/N) score block per head. ``is_causal`` uses the true positions of the rows;
+again, plus the dK/dV accumulators coming home. Each block runs in torch's fused CPU
+kernel (no score matrix) unless a mask needs explicit (S/N x S/N) scores; ``is_causal`` uses
+the true positions of the rows;
 with contiguous blocks the last rank does the most work (``attention.balance`` /
 ``head_tail()`` even it out, see ``shardlab/ops/attention.py``).
 

@@ -13,8 +13,10 @@ block. N = 4::
 At step t rank r holds block ``j = r - t (mod N)``. Each step posts the
 isend/irecv of the next block *before* computing on the current one, and waits
 after: the transfer overlaps the compute. Partial results merge with an online
-softmax (running max ``m``, running sum ``z``, running output ``o``), so a step
-holds scores of (S_local_q x S_local_kv) only.
+softmax: each block gives a normalised output and its logsumexp, merged into the
+running (output, logsumexp). On CPU a block without a mask (every key visible, or
+the causal diagonal) runs in torch's fused kernel, which holds no score matrix;
+other blocks hold scores of (S_local_q x S_local_kv) only.
 
 Messages per rank (blocks of size 0 are never sent):
 
@@ -72,6 +74,32 @@ class RingPlan:
             return True
         return bool(self.q_pos.max() >= self.kv_pos[j].min())
 
+    def fused(self, j: int, q: torch.Tensor, v: torch.Tensor) -> list | None:
+        """How block j runs in torch's fused CPU kernel (no score matrix in memory):
+        a list of (query rows, key rows, is_causal) pieces, one per pair of contiguous
+        position runs that sees anything (head-tail balancing gives two runs each); or
+        None: explicit masked scores (a mask, another device, or a run pair that is
+        neither all visible nor the same positions)."""
+        if q.device.type != "cpu" or self.mask is not None or q.shape[-1] != v.shape[-1]:
+            return None
+        if q.numel() == 0 or v.numel() == 0:  # no batch or no heads here (the kernel crashes)
+            return None
+        everything = slice(0, q.shape[-2]), slice(0, v.shape[-2])
+        if self.q_pos is None:
+            return [(*everything, False)]
+        pieces = []
+        for qs, qp in _runs(self.q_pos):
+            for ks, kp in _runs(self.kv_pos[j]):
+                if kp[0] > qp[-1]:
+                    continue  # every key after every query: masked out
+                if kp[-1] <= qp[0]:
+                    pieces.append((qs, ks, False))  # every key before every query
+                elif torch.equal(kp, qp):
+                    pieces.append((qs, ks, True))  # the same positions: the diagonal
+                else:
+                    return None
+        return pieces
+
     def scores(self, q: torch.Tensor, k: torch.Tensor, j: int) -> torch.Tensor:
         """Scores of the local queries against block j, masked (in place: one
         (*, H_q, S_q, S_kv_j) tensor is the only large allocation)."""
@@ -84,6 +112,20 @@ class RingPlan:
         if self.q_pos is not None:  # causal, by true positions
             s = s.masked_fill_(self.kv_pos[j][None, :] > self.q_pos[:, None], NEG_INF)
         return s
+
+
+def _runs(pos: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+    """The contiguous runs of increasing positions: (index slice, positions) each."""
+    breaks = [0, *((torch.diff(pos) != 1).nonzero().flatten() + 1).tolist(), len(pos)]
+    return [(slice(a, b), pos[a:b]) for a, b in zip(breaks, breaks[1:]) if b > a]
+
+
+def _merge(o, lse, o_new, lse_new):
+    """Two normalised partial attentions of the same rows, merged by their logsumexps:
+    o = (e^lse o + e^lse_new o_new) / (e^lse + e^lse_new); rows seeing no key stay 0."""
+    new = torch.logaddexp(lse, lse_new)
+    safe = new.masked_fill(new == NEG_INF, 0.0)
+    return o * (lse - safe).exp()[..., None] + o_new * (lse_new - safe).exp()[..., None], new
 
 
 def _compute_dtype(dtype):
@@ -122,13 +164,36 @@ def _with_rows(x: torch.Tensor, rows: int) -> list[int]:
     return [*x.shape[:-2], rows, x.shape[-1]]
 
 
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _block_attention(qc, kj, vj, plan: RingPlan, j: int):
+    """Block j's normalised output (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q)."""
+    pieces = plan.fused(j, qc, vj)
+    if pieces is not None:  # torch's fused kernel: no (S_q x S_kv_j) scores in memory
+        o = qc.new_zeros((*qc.shape[:-1], vj.shape[-1]))  # (*, H_q, S_q, D_v)
+        lse = qc.new_full(qc.shape[:-1], NEG_INF)  # (*, H_q, S_q)
+        for qs, ks, causal in pieces:
+            part = [x[..., r, :].contiguous() for x, r in ((qc, qs), (kj, ks), (vj, ks))]
+            o_p, lse_p = _FLASH(*part, 0.0, causal, scale=plan.scale)
+            o[..., qs, :], lse[..., qs] = _merge(o[..., qs, :], lse[..., qs], o_p, lse_p)
+        return o, lse
+    s = plan.scores(qc, kj, j)  # (*, H_q, S_q, S_kv_j), masked
+    m = s.amax(-1)
+    m_safe = m.masked_fill(m == NEG_INF, 0.0)  # rows that see no key of block j
+    p = s.sub_(m_safe[..., None]).exp_()  # in place
+    z = p.sum(-1)
+    o = (p @ vj) / z.masked_fill(z == 0, 1.0)[..., None]
+    return o, m_safe + torch.log(z)  # lse -inf where no key is seen
+
+
 def ring_forward(q, k, v, plan: RingPlan):
     """Returns out (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q)."""
     ct = _compute_dtype(q.dtype)
     qc = q.to(ct)  # (*, H_q, S_q, D)
-    m = q.new_full(q.shape[:-1], NEG_INF, dtype=ct)  # running max    (*, H_q, S_q)
-    z = q.new_zeros(q.shape[:-1], dtype=ct)  # running sum of exp   (*, H_q, S_q)
-    o = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=ct)  # running out  (*, H_q, S_q, D_v)
+    lse = q.new_full(q.shape[:-1], NEG_INF, dtype=ct)  # merged logsumexp  (*, H_q, S_q)
+    o = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=ct)  # merged output (*, H_q, S_q, D_v)
     kv = [k, v]  # the block held now: (*, H_kv, S_kv_j, D)
     for t in range(plan.n):
         j = (plan.me - t) % plan.n
@@ -139,30 +204,34 @@ def ring_forward(q, k, v, plan: RingPlan):
             nxt, works = _post(
                 plan, kv, [_with_rows(k, rows), _with_rows(v, rows)], k, "sdpa.ring forward"
             )
-        # 2. compute on the current block while the next one travels
+        # 2. compute on the current block while the next one travels, and merge:
+        #    o = (e^lse o + e^lse_j o_j) / (e^lse + e^lse_j), lse = log(e^lse + e^lse_j)
         if plan.visible(j, q.shape[-2]):
             kj, vj = _heads(kv[0].to(ct), plan.rep), _heads(kv[1].to(ct), plan.rep)
-            s = plan.scores(qc, kj, j)  # (*, H_q, S_q, S_kv_j)
-            m_new = torch.maximum(m, s.amax(-1))
-            m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)  # fully masked so far
-            p = s.sub_(m_safe[..., None]).exp_()  # (*, H_q, S_q, S_kv_j), in place
-            alpha = torch.exp(m - m_safe)  # rescales what was merged before
-            z = z * alpha + p.sum(-1)
-            o = o * alpha[..., None] + p @ vj
-            m = m_new
+            o, lse = _merge(o, lse, *_block_attention(qc, kj, vj, plan, j))
         # 3. wait for the next block
         if t < plan.n - 1:
             _wait(works)
             kv = nxt
-    # 4. normalise; rows that saw no key give 0 (as torch's SDPA does)
-    out = o / z.masked_fill(z == 0, 1.0)[..., None]  # o is 0 where z is 0
-    lse = m + torch.log(z)  # -inf for fully masked rows
-    return out.to(q.dtype), lse
+    # rows that saw no key are 0 (as torch's SDPA gives), their lse -inf
+    return o.to(q.dtype), lse
 
 
-def _block_grads(qc, kj, vj, dout, lse_safe, delta, plan: RingPlan, j: int, ct):
+def _block_grads(qc, kj, vj, dout, out, lse, lse_safe, delta, plan: RingPlan, j: int, ct):
     """Recompute block j's probabilities; return (dq part, dk_j, dv_j) of the block."""
     kr, vr = _heads(kj.to(ct), plan.rep), _heads(vj.to(ct), plan.rep)
+    pieces = plan.fused(j, qc, vr)
+    if pieces is not None:  # the fused kernel, with the *final* out and lse of the rows
+        dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kr), torch.zeros_like(vr)
+        for qs, ks, causal in pieces:
+            rows = [x[..., qs, :].contiguous() for x in (dout, qc)]
+            cols = [x[..., ks, :].contiguous() for x in (kr, vr)]
+            o_rows, lse_rows = out[..., qs, :].contiguous(), lse[..., qs].contiguous()
+            g = _FLASH_BACKWARD(*rows, *cols, o_rows, lse_rows, 0.0, causal, scale=plan.scale)
+            dq[..., qs, :] += g[0]
+            dk[..., ks, :] += g[1]
+            dv[..., ks, :] += g[2]
+        return dq, _fold(dk, plan.rep), _fold(dv, plan.rep)
     p = plan.scores(qc, kr, j).sub_(lse_safe[..., None]).exp_()  # exact softmax (final lse)
     dv = p.transpose(-2, -1) @ dout  # (*, H_q, S_kv_j, D_v)
     ds = (dout @ vr.transpose(-2, -1)).sub_(delta[..., None]).mul_(p).mul_(plan.scale)
@@ -172,8 +241,8 @@ def _block_grads(qc, kj, vj, dout, lse_safe, delta, plan: RingPlan, j: int, ct):
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
     """dq (local), dk, dv (of this rank's own K/V block, after their trip round the ring)."""
     ct = _compute_dtype(q.dtype)
-    qc, dout = q.to(ct), dout.to(ct)
-    delta = (dout * out.to(ct)).sum(-1)  # (*, H_q, S_q)
+    qc, dout, out = q.to(ct), dout.to(ct), out.to(ct)
+    delta = (dout * out).sum(-1)  # (*, H_q, S_q)
     lse_safe = lse.masked_fill(lse == NEG_INF, 0.0)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     kv, acc, acc_works, own = [k, v], None, [], None
@@ -188,7 +257,9 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
             )
         # 2. this rank's contribution to block j's gradients (dQ stays here)
         if plan.visible(j, q.shape[-2]):
-            dq_j, dk_j, dv_j = _block_grads(qc, kv[0], kv[1], dout, lse_safe, delta, plan, j, ct)
+            dq_j, dk_j, dv_j = _block_grads(
+                qc, kv[0], kv[1], dout, out, lse, lse_safe, delta, plan, j, ct
+            )
             dq += dq_j
         else:
             dk_j = torch.zeros(kv[0].shape, dtype=ct, device=q.device)
