@@ -82,12 +82,12 @@ X = torch.arange(48.0).reshape(8, 6)  # the global tensor, the same on every ran
 def place(placements):
     mesh = shardlab.this_rank().mesh  # the 1-D mesh over all ranks
     d = distribute_tensor(X, mesh, placements)
-    return tuple(d.to_local().shape), torch.equal(d.full_tensor(), X)
+    return d.to_local(), torch.equal(d.full_tensor(), X)
 
 
-for rank, (shape, same) in enumerate(ranks.run(place, [Shard(0)])):
-    print(f"rank {rank} holds a block of shape {shape}")
-    assert shape == tuple(torch.chunk(X, WORLD)[rank].shape) and same
+for rank, (block, same) in enumerate(ranks.run(place, [Shard(0)])):
+    print(f"rank {rank} holds a block of shape {tuple(block.shape)}")
+    assert torch.equal(block, torch.chunk(X, WORLD)[rank]) and same  # torch.chunk's blocks
 
 viz.plot_placements(mesh_shape=(WORLD,), placements=[Shard(0)], global_shape=(8, 6))
 
@@ -95,8 +95,8 @@ viz.plot_placements(mesh_shape=(WORLD,), placements=[Shard(0)], global_shape=(8,
 # ## `Replicate()`: every rank holds all of it
 
 # %%
-for rank, (shape, same) in enumerate(ranks.run(place, [Replicate()])):
-    assert shape == (8, 6) and same
+for block, same in ranks.run(place, [Replicate()]):
+    assert torch.equal(block, X) and same
 viz.plot_placements(mesh_shape=(WORLD,), placements=[Replicate()], global_shape=(8, 6))
 
 # %% [markdown]
@@ -138,7 +138,8 @@ viz.plot_placements(mesh_shape=(WORLD,), placements=[Partial()], global_shape=(4
 # ## Two mesh dims: one placement each
 #
 # On the 2-D mesh a DTensor has two placements. `[Shard(0), Shard(1)]` cuts the
-# rows over `dp` and the columns over `tp`: a grid of blocks.
+# rows over `dp` and the columns over `tp`: a grid of blocks (with 3 ranks the
+# mesh is 1 x 3, and only the columns are cut; with 2 it is 2 x 1).
 # `[Replicate(), Shard(1)]` cuts only the columns; each `dp` row of the mesh
 # holds a copy.
 

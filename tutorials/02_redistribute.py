@@ -93,10 +93,11 @@ viz.plot_collectives(t.filter(label="redistribute"))
 # ## `Shard(0)` → `Shard(1)`: where the backend matters
 #
 # The ideal is an all-to-all: each rank sends each other rank the part of its
-# rows that falls in that rank's columns. Gloo has no all-to-all, so DTensor
-# falls back to an **all-gather of everything** and keeps a slice (it warns
-# about it). shardlab's `ShardTensor.redistribute` sends exactly those pieces,
-# point to point.
+# rows that falls in that rank's columns. On a CPU mesh DTensor 2.13 does not
+# use all-to-all (its source says gloo lacks it); it falls back to an
+# **all-gather of everything** and keeps a slice, with a warning. That receives
+# (N−1)/N · M per rank instead of (N−1)/N² · M: N times too much. shardlab's
+# `ShardTensor.redistribute` sends exactly the pieces, point to point.
 
 # %%
 def rows_to_columns(use_shardlab, check=True):
@@ -119,6 +120,8 @@ for use_shardlab in (False, True):
     assert all(same for _, same in results)
     received = [b for b, _ in results]
     print(f"{'shardlab' if use_shardlab else 'DTensor '}: bytes received per rank {received}")
+    if not use_shardlab:  # at least everything but its own rows (more with padding)
+        assert all(r >= (WORLD - 1) * X.numel() * 8 // WORLD for r in received)
 print(f"lower bound:       {lower_bound}")
 assert received == lower_bound  # shardlab's point-to-point pieces
 
@@ -136,15 +139,17 @@ viz.plot_collectives(t.filter(kind=("send", "recv")))  # not the set-up collecti
 #
 # Every `redistribute` is differentiable. Its backward moves the gradient the
 # other way. The forward of `Partial` → `Replicate` is an all-reduce:
-# `y = x₀ + x₁ + … + x_{N−1}`. The gradient of a sum with respect to each term
-# is the gradient of the sum itself: `∂L/∂xᵣ = ∂L/∂y` on every rank. So the
-# gradient arriving at `y` is `Replicate`, and it goes back to each `xᵣ`
-# **unchanged, with no communication**: DTensor keeps it `Replicate` rather than
-# turning it into `Partial`.
+# `y = x₀ + x₁ + … + x_{N−1}`, the same `y` on every rank. Every rank computes
+# the same loss from it, so every rank already holds the whole `∂L/∂y`: the
+# gradient arriving at `y` is `Replicate`. The backward of a sum copies it to
+# each term, `∂L/∂xᵣ = ∂L/∂y`, so it goes back to each `xᵣ` **unchanged, with
+# no communication**: DTensor keeps it `Replicate` rather than turning it into
+# `Partial`. (Making it `Partial` would leave each rank a share, and the next
+# step would need an all-reduce to get back what every rank already had.)
 #
-# (If it made the gradient `Partial`, each rank would hold only a share, and
-# the next layer would need an all-reduce to get back what every rank already
-# had.)
+# This relies on every rank computing the same loss from `y`, as SPMD code
+# does. If ranks computed different losses, each would get only its own
+# gradient.
 
 # %%
 def backward_of_all_reduce():
@@ -170,8 +175,10 @@ print(f"forward {fwd}; backward {bwd or 'no messages'}; gradient placements {gra
 
 # %% [markdown]
 # The same reasoning, turned around: the backward of `Shard` → `Replicate` (an
-# all-gather) is `Replicate` → `Shard`, which only keeps the local block. And
-# the backward of `Replicate` → `Shard` is an all-gather of the gradient.
+# all-gather) is `Replicate` → `Shard`, which only keeps the local block. The
+# backward of `Replicate` → `Shard` is an all-gather of the gradient, and so is
+# the backward of `Partial` → `Shard` (a reduce-scatter forward): the gradient
+# of each summand is the whole gradient, gathered.
 
 # %%
 def backward_of(src, dst):
@@ -182,8 +189,11 @@ def backward_of(src, dst):
     return t.counts()
 
 
-assert ranks.run(backward_of, [Shard(0)], [Replicate()])[0] == {}
-print("backward of Replicate → Shard(0):", ranks.run(backward_of, [Replicate()], [Shard(0)])[0])
+gather = {"all_gather": 1} if WORLD > 1 else {}
+assert all(c == {} for c in ranks.run(backward_of, [Shard(0)], [Replicate()]))
+assert all(c == gather for c in ranks.run(backward_of, [Replicate()], [Shard(0)]))
+assert all(c == gather for c in ranks.run(backward_of, [Partial()], [Shard(0)]))
+print("backward of Replicate → Shard(0) and of Partial → Shard(0):", gather or "no messages")
 
 # %%
 ranks.close()

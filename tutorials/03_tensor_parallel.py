@@ -35,7 +35,7 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import shardlab
 from shardlab import viz
@@ -110,15 +110,17 @@ viz.plot_placements(mesh_shape=(WORLD,), placements=[Shard(1)], global_shape=(DI
 #
 # Multi-head attention is parallel over heads. Column-wise `q`, `k`, `v` give
 # each rank the features of `HEADS / N` heads; the attention of those heads is
-# local; the row-wise `o` adds the ranks' contributions. The module only has to
-# say "as many heads as I have features" (`view(B, T, -1, head_dim)`).
+# local; the row-wise `o` adds the ranks' contributions. `ColwiseParallel`
+# returns plain local tensors by default (`use_local_output=True`): `q` is this
+# rank's `(B, T, dim / N)`, so the module only has to say "as many heads as I
+# have features" (`view(B, T, -1, head_dim)`).
 #
 # ## Sequence parallelism around it
 #
 # Between the blocks, the activations are replicated: every rank would hold the
 # whole `(B, T, dim)` and run the same LayerNorm. `SequenceParallel()` keeps
 # them **sharded on the sequence** instead (`Shard(1)`), and LayerNorm runs on
-# each rank's tokens. Two wrappers move activations between the layouts:
+# each rank's tokens. Three settings move activations between the layouts:
 #
 # - `PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())`
 #   on the attention and the MLP: all-gather the tokens before the column-wise layers;
@@ -178,7 +180,9 @@ def tensor_and_sequence_parallel_block():
     torch.manual_seed(0)
     reference = Block().double()
     block = parallelize_module(copy.deepcopy(reference), mesh, block_plan())
-    # the whole block: replicated tokens in (keep my slice), all tokens out
+    # the whole block: replicated tokens in, of which each rank keeps its slice of the
+    # sequence as a *plain* tensor (use_local_output=True): SequenceParallel reads a plain
+    # input as this rank's shard, and the residual adds stay plain + plain; all tokens out
     parallelize_module(block, mesh, PrepareModuleInput(
         input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True))
     parallelize_module(block, mesh, PrepareModuleOutput(
@@ -202,6 +206,7 @@ for same, grads, fwd, bwd, norm_grad in results:
     assert same and grads
 print(f"forward: {fwd}\nbackward: {bwd}\nnorm1.weight.grad: {norm_grad}")
 if WORLD > 1:
+    assert all(ng == (Partial(),) for *_, ng in results)  # summed only when read
     assert fwd == {"all_gather": 3, "reduce_scatter": 2}
     assert bwd == {"all_gather": 2, "reduce_scatter": 2}
 

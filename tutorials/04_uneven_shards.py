@@ -35,11 +35,11 @@ WORLD = 4  # try 2 or 3
 ranks = shardlab.Ranks(WORLD)
 
 # %% [markdown]
-# ## One tensor, four blocks
+# ## One tensor, one block per rank
 #
 # `shardlab.distribute(t, mesh, placements, sizes)` keeps on each rank its block
 # of a tensor that every rank holds. Here 18 rows are cut into blocks of
-# different sizes; the last rank may get an empty block.
+# different sizes.
 
 # %%
 SIZES = [18 - 4 * (WORLD - 1)] + [4] * (WORLD - 1) if WORLD > 1 else [18]
@@ -88,7 +88,8 @@ for rank, (received, block) in enumerate(ranks.run(scatter, SIZES)):
 #
 # `redistribute` moves exactly the pieces that change owner. From rows to
 # columns every rank sends each other rank the part of its rows that falls in
-# the other rank's columns.
+# the other rank's columns. 3 columns on 4 ranks leave the last one an empty
+# block, `(18, 0)`: nobody sends it anything.
 
 # %%
 def to_columns(sizes):
@@ -98,20 +99,23 @@ def to_columns(sizes):
     with shardlab.trace() as t:
         cols = st.redistribute(mesh, [Shard(1)])
     same = torch.equal(cols.full_tensor(), x)  # the same global tensor, now by columns
-    return tuple(cols.to_local().shape), t.counts(), same, cols.layout, t.events
+    received = t.bytes(kind="recv")
+    return tuple(cols.to_local().shape), t.counts(), same, cols.layout, t.events, received
 
 
 results = ranks.run(to_columns, SIZES)
-for rank, (shape, counts, same, _, _) in enumerate(results):
+columns = [len(c) for c in torch.arange(3).chunk(WORLD)] + [0] * WORLD  # torch.chunk sizes
+for rank, (shape, counts, same, _, _, received) in enumerate(results):
     print(f"rank {rank}: now holds {shape}, messages {counts}")
-    assert same
+    # exactly the pieces that change owner: other ranks' rows of my columns, float32
+    assert same and received == sum(SIZES[s] * columns[rank] * 4 for s in range(WORLD) if s != rank)
 viz.plot_placements(results[0][3])
 
 # %% [markdown]
 # Each arrow is one piece: the rows a rank had, of the columns another rank now owns.
 
 # %%
-viz.plot_collectives(shardlab.trace.Trace([e for *_, events in results for e in events]))
+viz.plot_collectives(shardlab.trace.Trace([e for *_, events, _ in results for e in events]))
 
 # %% [markdown]
 # Close the ranks.

@@ -18,13 +18,15 @@
 # Two kinds of parallelism, one per mesh dim:
 #
 # - **`dp`** (data parallel, with FSDP): each row of the mesh trains on different
-#   images. `fully_shard` cuts every parameter over the row's ranks and gathers
-#   it just before it is used, so each rank stores only `1/dp` of the model.
+#   images. `fully_shard` cuts every parameter over the `dp` ranks, so between
+#   steps each rank stores only `1/dp` of the model, and gathers it for the step.
+#   (Here the whole model is one FSDP unit, gathered once; calling `fully_shard`
+#   on each layer first gathers and frees layer by layer.)
 # - **`domain`**: inside a row, each *image* is cut into bands of rows (notebook
 #   06); the unchanged `nn.Conv2d` exchanges halos with the neighbours.
 #
 # ```
-#               domain →
+#  WORLD = 4    domain →
 #         ┌──────────┬──────────┐
 #  dp 0   │ rank 0   │ rank 1   │   images 0-1: rows split between ranks 0 and 1
 #         ├──────────┼──────────┤
@@ -32,7 +34,9 @@
 #         └──────────┴──────────┘
 # ```
 #
-# We check one training step against the same model on one device.
+# With 2 ranks the mesh is 2 x 1 (FSDP only, no halos); with 3 it is 1 x 3
+# (domain only; FSDP over one rank moves nothing). We check one training step
+# against the same model on one device.
 
 # %%
 import copy
@@ -97,28 +101,36 @@ def one_step(dp):
         y = shardlab.distribute(target[mine], mesh["domain"], [Shard(2)])
         loss = F.mse_loss(net(x), y)  # the mean over my dp row's images
         loss.backward()  # FSDP averages the gradients over dp: the mean over the whole batch
+    pairs = list(zip(net.parameters(), reference.parameters()))
+    same = all(torch.allclose(p.grad.full_tensor(), r.grad, rtol=1e-10, atol=1e-12)
+               for p, r in pairs)  # the gradients: FSDP's shards, put together
     torch.optim.SGD(net.parameters(), lr=0.1).step()
-
-    same = all(torch.allclose(p.full_tensor(), r)
-               for p, r in zip(net.parameters(), reference.parameters()))
+    same &= all(torch.allclose(p.full_tensor(), r, rtol=1e-10, atol=1e-12) for p, r in pairs)
     groups = {(e.kind, tuple(e.group) if e.peer is None else (e.peer,)) for e in t.events}
     return same, net[0].weight.placements, t.counts(by="kind"), sorted(groups), t.events
 
 
 results = ranks.run(one_step, DP)
-assert all(same for same, *_ in results)  # the parameters after one SGD step equal one device's
+assert all(same for same, *_ in results)  # gradients and parameters after one step: one device's
 same, placements, counts, groups, _ = results[0]
 print(f"conv weight placements: {placements}\nrank 0 messages: {counts}")
 for kind, group in groups:
     where = "with rank" if kind in ("send", "recv") else "within ranks"
     print(f"  {kind:15} {where} {list(group)}")
+for _, _, counts, _, _ in results:
+    if DP > 1:  # FSDP: one gather of the parameters, one reduce-scatter of the gradients
+        assert counts["all_gather"] == 1 and counts["reduce_scatter"] == 1
+    if WORLD // DP > 1:  # domain: halos, and the summed weight + bias gradients of 3 convs
+        assert counts["send"] > 0 and counts["recv"] > 0 and counts["all_reduce"] == 6
 
 # %% [markdown]
 # What happened on rank 0, by group:
 #
-# - `all_gather` over the `dp` group: FSDP gathers the parameters before the
-#   forward (and frees them after); `reduce_scatter` over `dp`: each rank gets
-#   the summed gradient of its own parameter shard (`1/dp` of the model).
+# - `all_gather` over the `dp` group, once per step: FSDP gathers all parameters
+#   before the forward and keeps them through the backward (the root unit is not
+#   resharded after forward); `reduce_scatter` over `dp`: each rank gets the
+#   dp-average of the gradient of its own parameter shard (FSDP divides by dp,
+#   then reduce-scatters with a sum).
 # - `send`/`recv` within the `domain` group: the halo rows of the convolutions,
 #   forward and backward (a 1×1 conv needs none).
 # - `all_reduce` within the `domain` group: the weight and bias gradients of each
