@@ -155,6 +155,15 @@ def _post(plan: RingPlan, send: list, recv_shapes: list, like: torch.Tensor, cau
         return bufs, dist.batch_isend_irecv(ops)
 
 
+def _post_next_kv(plan: RingPlan, kv: list, j: int, t: int, cause: str):
+    """Step ``t`` holding block j: pass it on and receive block j-1 (none at the last
+    step). Returns (buffers for block j-1, works to wait for)."""
+    if t == plan.n - 1:
+        return None, []
+    rows = plan.kv_sizes[(j - 1) % plan.n]
+    return _post(plan, kv, [_with_rows(x, rows) for x in kv], kv[0], cause)
+
+
 def _wait(works) -> None:
     for w in works:
         w.wait()
@@ -198,12 +207,7 @@ def ring_forward(q, k, v, plan: RingPlan):
     for t in range(plan.n):
         j = (plan.me - t) % plan.n
         # 1. post: pass the current block on, receive the next one (block j-1)
-        works = []
-        if t < plan.n - 1:
-            rows = plan.kv_sizes[(j - 1) % plan.n]
-            nxt, works = _post(
-                plan, kv, [_with_rows(k, rows), _with_rows(v, rows)], k, "sdpa.ring forward"
-            )
+        nxt, works = _post_next_kv(plan, kv, j, t, "sdpa.ring forward")
         # 2. compute on the current block while the next one travels, and merge:
         #    o = (e^lse o + e^lse_j o_j) / (e^lse + e^lse_j), lse = log(e^lse + e^lse_j)
         if plan.visible(j, q.shape[-2]):
@@ -249,12 +253,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
     for t in range(plan.n):
         j = (plan.me - t) % plan.n
         # 1. post the next K/V block (as in forward)
-        kv_works = []
-        if t < plan.n - 1:
-            rows = plan.kv_sizes[(j - 1) % plan.n]
-            nxt, kv_works = _post(
-                plan, kv, [_with_rows(k, rows), _with_rows(v, rows)], k, "sdpa.ring backward"
-            )
+        nxt, kv_works = _post_next_kv(plan, kv, j, t, "sdpa.ring backward")
         # 2. this rank's contribution to block j's gradients (dQ stays here)
         if plan.visible(j, q.shape[-2]):
             dq_j, dk_j, dv_j = _block_grads(

@@ -101,14 +101,7 @@ def _same_sizes(func, args, kwargs, shards):
         dst = ShardLayout(
             a._layout.global_shape, a._layout.mesh_shape, a._layout.placements, tuple(sizes)
         )
-        local = comm.redistribute_local(
-            a._local_tensor,
-            a._layout,
-            dst,
-            a.device_mesh,
-            cause=f"{func.overloadpacket.__name__}.align",
-        )
-        return ShardTensor._wrap(local, a.device_mesh, dst)
+        return _moved(a, dst, func)
 
     return tree_map(align, args), tree_map(align, kwargs)
 
@@ -255,15 +248,17 @@ def _align_args(func, args, schema, shards):
         dst = ShardLayout.build(
             a._layout.global_shape, a._layout.mesh_shape, tuple(spec.placements), sizes
         )
-        local = comm.redistribute_local(
-            a._local_tensor,
-            a._layout,
-            dst,
-            a.device_mesh,
-            cause=f"{func.overloadpacket.__name__}.align",
-        )
-        out[i] = ShardTensor._wrap(local, a.device_mesh, dst)
+        out[i] = _moved(a, dst, func)
     return tuple(out)
+
+
+def _moved(a, dst: ShardLayout, func):
+    """ShardTensor ``a`` in layout ``dst``: the inputs ``func`` needs aligned, moved."""
+    from shardlab.tensor.api import ShardTensor
+
+    cause = f"{func.overloadpacket.__name__}.align"
+    local = comm.redistribute_local(a._local_tensor, a._layout, dst, a.device_mesh, cause=cause)
+    return ShardTensor._wrap(local, a.device_mesh, dst)
 
 
 def _local(x):
