@@ -11,16 +11,23 @@ Replicate mesh dims) or disjoint. Each piece is taken from ONE replica: the one 
 destination's own coordinate along every mesh dim where the source is Replicate, so a
 destination that already holds the data copies it locally, and the replicas share the work.
 
+Strided dims (see :mod:`._atoms`) hold a rank's indices in several intervals: a move then
+carries, per tensor dim, the sorted indices both ranks hold (``Move.index``), still one
+message per (sender, receiver) pair: blocks are cartesian products of per-dim index sets,
+and so are their intersections.
+
 Partial is a reduction, not a move: :func:`redistribute_plan` raises NotImplementedError for
 it; reduce first (all-reduce / reduce-scatter), then plan the Shard/Replicate change.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from torch.distributed.tensor import Partial, Shard
 
 from ._checks import placement_str
@@ -44,21 +51,32 @@ class Move:
     src_start: tuple[int, ...]
     dst_start: tuple[int, ...]
     local: bool
+    # strided dims only: per tensor dim None, or (positions in the sender's block,
+    # positions in the receiver's block) of the indices moved along that dim
+    index: tuple | None = None
 
     @property
     def numel(self) -> int:
         n = 1
-        for start, stop in self.box:
-            n *= stop - start
+        for d, (start, stop) in enumerate(self.box):
+            pos = self.index[d] if self.index is not None else None
+            n *= len(pos[0]) if pos is not None else stop - start
         return n
 
-    def src_slices(self) -> tuple[slice, ...]:
-        pairs = zip(self.box, self.src_start, strict=True)
-        return tuple(slice(a - o, b - o) for (a, b), o in pairs)
+    def src_slices(self) -> tuple:
+        """Per dim a slice of the sender's block, or an index array (strided dims)."""
+        return self._select(self.src_start, 0)
 
-    def dst_slices(self) -> tuple[slice, ...]:
-        pairs = zip(self.box, self.dst_start, strict=True)
-        return tuple(slice(a - o, b - o) for (a, b), o in pairs)
+    def dst_slices(self) -> tuple:
+        """Per dim a slice of the receiver's block, or an index array (strided dims)."""
+        return self._select(self.dst_start, 1)
+
+    def _select(self, starts, side: int) -> tuple:
+        out = []
+        for d, ((a, b), o) in enumerate(zip(self.box, starts, strict=True)):
+            pos = self.index[d] if self.index is not None else None
+            out.append(slice(a - o, b - o) if pos is None else pos[side])
+        return tuple(out)
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -67,6 +85,7 @@ def intersect(a: Box, b: Box) -> Box | None:
     return None if any(start >= stop for start, stop in out) else out
 
 
+@functools.lru_cache(maxsize=4096)
 def redistribute_plan(src: ShardLayout, dst: ShardLayout) -> list[Move]:
     """Every non-empty box moving from a src rank's block to a dst rank's block.
 
@@ -92,6 +111,8 @@ def redistribute_plan(src: ShardLayout, dst: ShardLayout) -> list[Move]:
         )
     shard_dims = [m for m, p in enumerate(src.placements) if isinstance(p, Shard)]
     src_keys = list(itertools.product(*(range(src.mesh_shape[m]) for m in shard_dims)))
+    if not (src.is_block() and dst.is_block()):
+        return _strided_plan(src, dst, shard_dims, src_keys)
     plan: list[Move] = []
     for d in dst.coords():
         dst_box = dst.local_box(d)
@@ -103,6 +124,48 @@ def redistribute_plan(src: ShardLayout, dst: ShardLayout) -> list[Move]:
                 dst_start = tuple(a for a, _ in dst_box)
                 plan.append(Move(s, d, box, start, dst_start, s == d))
     return plan
+
+
+def _strided_plan(src, dst, shard_dims, src_keys) -> list[Move]:
+    """The plan when a dim is strided: per dim, intersect the sorted index sets."""
+    ndim = len(src.global_shape)
+    strided = [not (src.is_block(k) and dst.is_block(k)) for k in range(ndim)]
+    plan: list[Move] = []
+    for d in dst.coords():
+        for key in src_keys:
+            s = _with(d, shard_dims, key)
+            box, index, starts_s, starts_d = [], [], [], []
+            for k in range(ndim):
+                if not strided[k]:
+                    (a0, a1), (b0, b1) = _interval(src, k, s), _interval(dst, k, d)
+                    lo, hi = max(a0, b0), min(a1, b1)
+                    box.append((lo, hi))
+                    index.append(None)
+                    starts_s.append(a0)
+                    starts_d.append(b0)
+                    if lo >= hi:
+                        break
+                    continue
+                si, di = src.dim_indices(k, s), dst.dim_indices(k, d)
+                common, ps, pd = np.intersect1d(si, di, assume_unique=True, return_indices=True)
+                if len(common) == 0:
+                    box.append((0, 0))
+                    break
+                box.append((int(common[0]), int(common[-1]) + 1))
+                index.append((ps.astype(np.int64), pd.astype(np.int64)))
+                starts_s.append(0)
+                starts_d.append(0)
+            else:
+                move = Move(
+                    s, d, tuple(box), tuple(starts_s), tuple(starts_d), s == d, tuple(index)
+                )
+                plan.append(move)
+    return plan
+
+
+def _interval(layout: ShardLayout, k: int, coord) -> tuple[int, int]:
+    start, n = layout._piece(k, tuple(coord))
+    return start, start + n
 
 
 def moved_elements(plan: Sequence[Move]) -> int:

@@ -31,6 +31,7 @@ tuple of size-tuples, one per piece of the *outer* mesh dim cutting the same ten
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ._atoms import atom_ranges, canonical, dim_indices, dim_intervals
 from ._checks import (
     as_int,
     check_mesh_shape,
@@ -54,6 +56,7 @@ from ._checks import (
 __all__ = ["ShardLayout", "chunk_sizes", "format_sizes", "offsets", "owner_of"]
 
 SizesEntry = tuple[tuple[int, ...], ...] | None
+AtomsEntry = tuple[tuple[int, ...] | None, ...] | None
 
 
 def chunk_sizes(length: int, parts: int) -> tuple[int, ...]:
@@ -88,12 +91,18 @@ class ShardLayout:
 
     Build it with :meth:`build` or :meth:`from_local_shapes`; fields are canonical (see the
     module docstring). Coordinates (``coord``) are mesh coordinates, e.g. ``(1,)`` or ``(0, 2)``.
+
+    ``atoms``/``cuts`` describe dims that views merged or split (see :mod:`._atoms`): None
+    for the usual block layout. A *strided* dim (several atoms) has no single box per rank;
+    :meth:`local_box` refuses it, :meth:`dim_indices` / :meth:`dim_intervals` describe it.
     """
 
     global_shape: tuple[int, ...]
     mesh_shape: tuple[int, ...]
     placements: tuple[Placement, ...]
     sizes: tuple[SizesEntry, ...]
+    atoms: AtomsEntry = None  # per tensor dim: None (a block dim) or its atom extents
+    cuts: tuple[int | None, ...] | None = None  # per mesh dim: the atom its Shard cuts
 
     def __post_init__(self) -> None:
         gshape = int_tuple("global_shape", self.global_shape)
@@ -103,23 +112,39 @@ class ShardLayout:
             raise ValueError(f"placements must be normalised (non-negative dims), got {places}")
         if not isinstance(self.sizes, tuple) or len(self.sizes) != len(mshape):
             raise ValueError(f"sizes must be a tuple with one entry per mesh dim ({len(mshape)})")
-        for m, (p, entry) in enumerate(zip(places, self.sizes, strict=True)):
+        object.__setattr__(self, "global_shape", gshape)
+        object.__setattr__(self, "mesh_shape", mshape)
+        object.__setattr__(self, "placements", places)
+        if self.atoms is not None:
+            _check_atoms(gshape, self.atoms)
+            self._check_sizes(raw=True)
+            sizes, atoms, cuts = canonical(gshape, places, self.sizes, self.atoms, self.cuts)
+            object.__setattr__(self, "sizes", sizes)
+            object.__setattr__(self, "atoms", atoms)
+            object.__setattr__(self, "cuts", cuts)
+        else:
+            object.__setattr__(self, "cuts", None)
+        self._check_sizes()
+
+    def _check_sizes(self, raw: bool = False) -> None:
+        for m, (p, entry) in enumerate(zip(self.placements, self.sizes, strict=True)):
             if not isinstance(p, Shard):
                 if entry is not None:
                     raise ValueError(f"sizes[{m}] must be None for {format_sizes(p, None, m)}")
                 continue
-            outer = nested_outer(places, m)
-            wholes = self.sizes[outer][0] if outer is not None else (gshape[p.dim],)
+            outer = self.nested_outer(m)
+            atom = self.cut_of(m)
+            ats = self.dim_atoms(p.dim)
+            if raw and self.cuts is not None and not 0 <= atom < len(ats):
+                raise ValueError(f"cuts[{m}] = {atom} is not an atom of tensor dim {p.dim}")
+            wholes = self.sizes[outer][0] if outer is not None else (ats[atom],)
             where = f"pieces of mesh dim {outer}" if outer is not None else "entry"
             if not isinstance(entry, tuple) or len(entry) != len(wholes):
                 raise ValueError(
                     f"sizes[{m}] must hold {len(wholes)} size tuple(s), one per {where}"
                 )
             for o, (part, whole) in enumerate(zip(entry, wholes, strict=True)):
-                check_part(m, o if outer is not None else None, p, part, whole, mshape[m])
-        object.__setattr__(self, "global_shape", gshape)
-        object.__setattr__(self, "mesh_shape", mshape)
-        object.__setattr__(self, "placements", places)
+                check_part(m, o if outer is not None else None, p, part, whole, self.mesh_shape[m])
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -198,6 +223,60 @@ class ShardLayout:
         """Same tensor and mesh; new placements and sizes (default: chunk)."""
         return ShardLayout.build(self.global_shape, self.mesh_shape, placements, sizes)
 
+    def replace(self, **changes) -> ShardLayout:
+        """A copy with some fields changed (atoms and cuts kept unless given)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ atoms
+    def dim_atoms(self, tensor_dim: int) -> tuple[int, ...]:
+        """Atom extents of ``tensor_dim`` (one atom, the whole dim, for block dims)."""
+        if self.atoms is None or self.atoms[tensor_dim] is None:
+            return (self.global_shape[tensor_dim],)
+        return self.atoms[tensor_dim]
+
+    def cut_of(self, mesh_dim: int) -> int:
+        """Which atom of its Shard dim ``mesh_dim`` cuts (0 for block dims)."""
+        cuts = self.cuts
+        if cuts is None or cuts[mesh_dim] is None:
+            return 0
+        return cuts[mesh_dim]
+
+    def nested_outer(self, mesh_dim: int) -> int | None:
+        """The outer mesh dim cutting the same atom before ``mesh_dim``, if any."""
+        outer = nested_outer(self.placements, mesh_dim)
+        if outer is not None and self.cut_of(outer) != self.cut_of(mesh_dim):
+            return None
+        return outer
+
+    def is_block(self, tensor_dim: int | None = None) -> bool:
+        """True if ``tensor_dim`` (default: every dim) is cut into consecutive pieces."""
+        if self.atoms is None:
+            return True
+        if tensor_dim is None:
+            return all(a is None for a in self.atoms)
+        return self.atoms[tensor_dim] is None
+
+    def strided_dims(self) -> list[int]:
+        return [d for d in range(len(self.global_shape)) if not self.is_block(d)]
+
+    def dim_indices(self, tensor_dim: int, coord: Sequence[int]):
+        """Sorted global indices along ``tensor_dim`` held at ``coord`` (numpy int64)."""
+        return dim_indices(self, tensor_dim, self._coord(coord))
+
+    def dim_intervals(self, tensor_dim: int, coord: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """The same indices as ``[start, stop)`` intervals."""
+        return dim_intervals(self, tensor_dim, self._coord(coord))
+
+    def dim_key(self, tensor_dim: int) -> tuple:
+        """Hashable description of who holds what along ``tensor_dim``: equal keys (on the
+        same mesh) mean every rank holds the same indices of that dim."""
+        cutters = tuple(
+            (m, self.cut_of(m), self.sizes[m])
+            for m, p in enumerate(self.placements)
+            if isinstance(p, Shard) and p.dim == tensor_dim
+        )
+        return (self.global_shape[tensor_dim], self.dim_atoms(tensor_dim), cutters)
+
     # ------------------------------------------------------------------ queries
     def coords(self) -> list[tuple[int, ...]]:
         """Every mesh coordinate, row-major: (0, 0), (0, 1), ..., (1, 0), ..."""
@@ -217,15 +296,16 @@ class ShardLayout:
         if coord is None:
             raise ValueError(
                 f"coord is required: mesh dim {mesh_dim} nests inside mesh dim "
-                f"{nested_outer(self.placements, mesh_dim)} and its sizes differ per piece"
+                f"{self.nested_outer(mesh_dim)} and its sizes differ per piece"
             )
-        return entry[self._coord(coord)[nested_outer(self.placements, mesh_dim)]]
+        return entry[self._coord(coord)[self.nested_outer(mesh_dim)]]
 
     def sizes_along(self, tensor_dim: int) -> tuple[int, ...]:
         """All pieces along ``tensor_dim`` in order (row-major mesh order if cut twice)."""
         ndim = len(self.global_shape)
         if not -ndim <= as_int("tensor_dim", tensor_dim) < ndim:
             raise ValueError(f"tensor_dim {tensor_dim} is out of range for {ndim} dims")
+        self._require_block(tensor_dim % ndim, "sizes_along")
         dims = mesh_dims_sharding(self.placements, tensor_dim % ndim)
         if not dims:
             return (self.global_shape[tensor_dim],)
@@ -234,7 +314,15 @@ class ShardLayout:
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
         """Shape of the block held by the rank at ``coord``."""
         c = self._coord(coord)
-        return tuple(self._piece(d, c)[1] for d in range(len(self.global_shape)))
+        if self.atoms is None:
+            return tuple(self._piece(d, c)[1] for d in range(len(self.global_shape)))
+        out = []
+        for d in range(len(self.global_shape)):
+            n = 1
+            for _, size in atom_ranges(self, d, c):
+                n *= size
+            out.append(n)
+        return tuple(out)
 
     def local_offset(self, coord: Sequence[int]) -> tuple[int, ...]:
         """Global index where that block starts along every tensor dim (0 if unsharded).
@@ -260,7 +348,7 @@ class ShardLayout:
 
     def is_even(self) -> bool:
         """True iff every size equals the chunk default, i.e. DTensor's own layout."""
-        return self.sizes == self.with_sizes(None).sizes
+        return self.is_block() and self.sizes == self.with_sizes(None).sizes
 
     # ------------------------------------------------------------------ internals
     def _coord(self, coord: Sequence[int]) -> tuple[int, ...]:
@@ -271,11 +359,29 @@ class ShardLayout:
             raise ValueError(f"coord {c} is not a coordinate of mesh {self.mesh_shape}")
         return c
 
+    def _require_block(self, tensor_dim: int, what: str) -> None:
+        if not self.is_block(tensor_dim):
+            raise ValueError(
+                f"{what}: tensor dim {tensor_dim} is strided ({self.describe_dim(tensor_dim)}): "
+                "its pieces are not consecutive; use dim_indices / dim_intervals"
+            )
+
+    def describe_dim(self, tensor_dim: int) -> str:
+        """``atoms (4, 6), atom 1 cut by mesh dim 0`` (how a learner reads a strided dim)."""
+        cut = [
+            f"atom {self.cut_of(m)} cut by mesh dim {m}"
+            for m, p in enumerate(self.placements)
+            if isinstance(p, Shard) and p.dim == tensor_dim
+        ]
+        ats = " x ".join(map(str, self.dim_atoms(tensor_dim)))
+        return f"atoms ({ats})" + (", " + ", ".join(cut) if cut else "")
+
     def _piece(self, tensor_dim: int, coord: tuple[int, ...]) -> tuple[int, int]:
         """(global start, size) of ``coord``'s piece along ``tensor_dim``."""
+        self._require_block(tensor_dim, "local_box")
         start, size = 0, self.global_shape[tensor_dim]
         for m in mesh_dims_sharding(self.placements, tensor_dim):
-            outer = nested_outer(self.placements, m)
+            outer = self.nested_outer(m)
             parts = self.sizes[m][coord[outer] if outer is not None else 0]
             start += offsets(parts)[coord[m]]
             size = parts[coord[m]]
@@ -285,9 +391,28 @@ class ShardLayout:
         parts = []
         for m, (p, entry) in enumerate(zip(self.placements, self.sizes, strict=True)):
             shown = None if entry is None else (entry[0] if len(entry) == 1 else entry)
-            parts.append(format_sizes(p, shown, m))
+            text = format_sizes(p, shown, m)
+            if isinstance(p, Shard) and not self.is_block(p.dim):
+                text += f" (strided: {self.describe_dim(p.dim)})"
+            parts.append(text)
         return (
             f"ShardLayout(global {self.global_shape}, mesh {self.mesh_shape}, [{', '.join(parts)}])"
         )
 
     __repr__ = __str__
+
+
+def _check_atoms(global_shape: tuple[int, ...], atoms) -> None:
+    if not isinstance(atoms, tuple) or len(atoms) != len(global_shape):
+        raise ValueError(
+            f"atoms must be a tuple with one entry per tensor dim ({len(global_shape)})"
+        )
+    for d, (n, ats) in enumerate(zip(global_shape, atoms, strict=True)):
+        if ats is None:
+            continue
+        ats = int_tuple(f"atoms[{d}]", ats)
+        prod = 1
+        for e in ats:
+            prod *= e
+        if prod != n or not ats:
+            raise ValueError(f"atoms[{d}] = {ats} multiply to {prod}, but tensor dim {d} is {n}")

@@ -46,6 +46,7 @@ from shardlab.layout import ShardLayout, chunk_sizes, offsets
 from shardlab.ops._ring import RingAttention, RingPlan
 from shardlab.ops.halo import peers_along
 from shardlab.ops.registry import register
+from shardlab.tensor.api import stride_like
 
 __all__ = [
     "balance",
@@ -189,7 +190,10 @@ def scaled_dot_product_attention(
         None if e is None else list(e[0]) if len(e) == 1 else [list(x) for x in e] for e in ql.sizes
     ]
     shape = (*query.shape[:-1], value.shape[-1])
-    return ShardTensor.from_local(out_l, mesh, ql.placements, sizes, shape=shape)
+    stride = stride_like(query.stride(), shape)  # laid out like the query, as torch's
+    return ShardTensor.from_local(
+        out_l, mesh, ql.placements, sizes, shape=shape, stride=stride, validate=False
+    )
 
 
 # -- helpers ---------------------------------------------------------------------

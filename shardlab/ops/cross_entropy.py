@@ -123,7 +123,7 @@ def cross_entropy(
     out = _CrossEntropy.apply(input.to_local(), t, plan)
     if reduction != "none":  # a 0-dim value, the same on every rank
         return ShardTensor.from_local(
-            out, mesh, [Replicate()] * mesh.ndim, [None] * mesh.ndim, shape=()
+            out, mesh, [Replicate()] * mesh.ndim, [None] * mesh.ndim, shape=(), validate=False
         )
     rows_layout = ce_args.rows_layout(layout, cd)
     return ShardTensor.from_local(
@@ -132,6 +132,7 @@ def cross_entropy(
         rows_layout.placements,
         ce_args.build_sizes(rows_layout.sizes),
         shape=rows_layout.global_shape,
+        validate=False,
     )
 
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardlab import _compat
 from shardlab.layout import ShardLayout
 from shardlab.tensor import comm
 from shardlab.tensor.losses import LOSSES, reduce_loss
@@ -38,12 +38,13 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
-    """Strides of the global tensor laid out in the same dim order as ``local`` (so a
-    transposed block describes a transposed global tensor and views stay valid)."""
-    if local.ndim != len(shape) or local.is_contiguous():
+def stride_like(template: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for ``shape`` in the dim order of the strides ``template`` (a global
+    tensor's, the same on every rank): how torch lays out the result of an op that
+    follows its input's layout (SDPA's output follows the query's)."""
+    if len(template) != len(shape):
         return _contiguous_stride(shape)
-    order = sorted(range(local.ndim), key=lambda d: (-local.stride(d), d))  # outer -> inner
+    order = sorted(range(len(shape)), key=lambda d: (-template[d], d))  # outer -> inner
     stride, acc = [0] * len(shape), 1
     for d in reversed(order):
         stride[d] = acc
@@ -54,7 +55,7 @@ def _global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]
 def _grad_layout(layout: ShardLayout) -> ShardLayout:
     """Gradients of a Partial value are Replicate (d sum / d part = 1 on every rank)."""
     places = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
-    return ShardLayout(layout.global_shape, layout.mesh_shape, places, layout.sizes)
+    return layout.replace(placements=places)
 
 
 class ShardTensor(DTensor):
@@ -68,14 +69,39 @@ class ShardTensor(DTensor):
     _layout: ShardLayout
 
     @staticmethod
-    def _wrap(local: torch.Tensor, mesh, layout: ShardLayout, requires_grad=False) -> ShardTensor:
-        meta = TensorMeta(
-            torch.Size(layout.global_shape),
-            _global_stride(local, layout.global_shape),
+    def _wrap(
+        local: torch.Tensor, mesh, layout: ShardLayout, requires_grad=False, stride=None
+    ) -> ShardTensor:
+        """The ShardTensor holding ``local``. Its global ``stride`` (contiguous by default)
+        must be the same on every rank: composite ops branch on it."""
+        spec = _compat.dtensor_spec(
+            mesh,
+            layout.placements,
+            layout.global_shape,
+            _contiguous_stride(layout.global_shape) if stride is None else tuple(stride),
             local.dtype,
         )
-        spec = DTensorSpec(mesh, tuple(layout.placements), tensor_meta=meta)
         out = ShardTensor(local.detach(), spec, requires_grad=requires_grad)
+        out._layout = layout
+        return out
+
+    def _set_layout(self, layout: ShardLayout) -> None:
+        """Change the layout of this tensor in place (same local shape): an in-place op
+        that had to reduce a Partial value."""
+        self._layout = layout
+        self._spec = _compat.dtensor_spec(
+            self.device_mesh, layout.placements, layout.global_shape, self.stride(), self.dtype
+        )
+
+    # -- torch.compile: the layout travels in the flatten context ----------
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], (self._spec, self.requires_grad, self._layout)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        spec, requires_grad, layout = flatten_spec
+        local = inner_tensors["_local_tensor"]
+        out = ShardTensor(local, spec, requires_grad=requires_grad)
         out._layout = layout
         return out
 
@@ -113,30 +139,40 @@ class ShardTensor(DTensor):
         sizes: Sequence | None = None,
         *,
         shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+        validate: bool = True,
     ) -> ShardTensor:
         """Wrap each rank's ``local_tensor`` as the pieces of one global tensor.
 
-        ``sizes=None`` all-gathers the local shapes (one small all-gather) so any
-        sizes work; explicit ``sizes`` (as in :meth:`ShardLayout.build`) are
-        checked against this rank's local shape without communication.
+        Collectives: one small all-gather of every rank's (ndim, dtype, local shape).
+        ``sizes=None`` infers the sizes from it, so any sizes work; explicit ``sizes``
+        (as in :meth:`ShardLayout.build`) are checked against every rank's shape. Either
+        way a disagreement (shapes, number of dims, dtypes) raises the same ValueError
+        on every rank. ``validate=False`` (explicit ``sizes`` only) skips the all-gather
+        and checks this rank's own shape only: for callers that know the sizes agree.
+        ``stride``: the global strides (default contiguous), the same on every rank.
         """
         mesh = _mesh(device_mesh)
         placements = _placements(placements, mesh)
         _check_device(local_tensor, mesh, "local_tensor")
-        if sizes is None:
+        if sizes is None or validate:
             shapes = _gather_shapes(local_tensor, mesh)
+        if sizes is None:
             layout = ShardLayout.from_local_shapes(shape, tuple(mesh.shape), placements, shapes)
         else:
             if shape is None:
                 shape = _global_shape_from_local(local_tensor.shape, placements, sizes, mesh)
             layout = ShardLayout.build(shape, tuple(mesh.shape), placements, sizes)
-            want = layout.local_shape(comm.my_coord(mesh))
-            if tuple(local_tensor.shape) != want:
-                raise ValueError(
-                    f"from_local: local_tensor has shape {tuple(local_tensor.shape)} on rank "
-                    f"{dist.get_rank()}, but {layout} gives this rank {want}"
-                )
-        return _FromLocal.apply(local_tensor, mesh, layout)
+            coords = layout.coords() if validate else [comm.my_coord(mesh)]
+            for coord in coords:
+                have = shapes[coord] if validate else tuple(local_tensor.shape)
+                want = layout.local_shape(coord)
+                if tuple(have) != want:
+                    raise ValueError(
+                        f"from_local: local_tensor has shape {tuple(have)} on the rank at "
+                        f"mesh coordinate {coord}, but {layout} gives that rank {want}"
+                    )
+        return _FromLocal.apply(local_tensor, mesh, layout, stride)
 
     # -- leaving -----------------------------------------------------------
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
@@ -155,9 +191,7 @@ class ShardTensor(DTensor):
                         "grad_placements may only change Replicate/Partial, got "
                         f"{list(places)} for {list(self._layout.placements)}"
                     )
-            grad_layout = ShardLayout(
-                self._layout.global_shape, self._layout.mesh_shape, places, self._layout.sizes
-            )
+            grad_layout = self._layout.replace(placements=tuple(places))
         return _ToLocal.apply(self, grad_layout)
 
     def redistribute(
@@ -201,16 +235,6 @@ class ShardTensor(DTensor):
             out = reduce_loss(func, args, kwargs)
             if out is not NotImplemented:
                 return out
-        if func in _MATMULS and len(args) >= 2:
-            from shardlab.tensor import matmul
-
-            x, w = args[0], args[1]
-            if func is torch.nn.functional.linear and matmul.wants_local_matmul(x, w.t()):
-                y = matmul.local_matmul(x, w.t())
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                return y if bias is None else y + bias
-            if func is not torch.nn.functional.linear and matmul.wants_local_matmul(x, w):
-                return matmul.local_matmul(x, w)
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
@@ -220,7 +244,14 @@ class ShardTensor(DTensor):
         return dispatch(func, args, kwargs or {})
 
 
-_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.nn.functional.linear}
+def _dispatch_rule(cls, func, types, args=(), kwargs=None):
+    """torch 2.11 routes ShardTensor ops here (see ``_compat.route_dispatch``)."""
+    from shardlab.tensor.dispatch import dispatch
+
+    return dispatch(func, args, kwargs or {})
+
+
+_compat.route_dispatch(ShardTensor, _dispatch_rule)
 
 
 def _lift_trainable(args, kwargs):
@@ -256,13 +287,13 @@ def _lift_trainable(args, kwargs):
 # -- autograd ---------------------------------------------------------------
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, mesh, layout):
+    def forward(ctx, local, mesh, layout, stride):
         ctx.mesh, ctx.layout = mesh, layout
-        return ShardTensor._wrap(local.view_as(local), mesh, layout)
+        return ShardTensor._wrap(local.view_as(local), mesh, layout, stride=stride)
 
     @staticmethod
     def backward(ctx, grad):
-        return _local_of(grad, _grad_layout(ctx.layout), ctx.mesh), None, None
+        return _local_of(grad, _grad_layout(ctx.layout), ctx.mesh), None, None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -295,8 +326,16 @@ def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
         return comm.redistribute_local(
             grad._local_tensor, grad._layout, layout, mesh, cause="redistribute backward"
         )
-    if isinstance(grad, DTensor):
-        raise TypeError("a gradient arrived as a plain DTensor; expected a ShardTensor")
+    if isinstance(grad, DTensor):  # e.g. from DTensor's own ops: chunk sizes
+        from shardlab.tensor.aten._common import layout_of_dtensor
+
+        return comm.redistribute_local(
+            grad._local_tensor,
+            layout_of_dtensor(grad),
+            layout,
+            mesh,
+            cause="redistribute backward",
+        )
     return grad
 
 
@@ -340,38 +379,58 @@ def _check_device(t: torch.Tensor, mesh, name: str) -> None:
         )
 
 
+_MAX_NDIM = 32
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+    torch.bool,
+]  # fmt: skip
+
+
 def _gather_shapes(local: torch.Tensor, mesh) -> dict:
-    """Every coordinate's local shape: one all-gather of ndim ints per rank."""
+    """Every coordinate's local shape, checked for agreement in ndim and dtype.
+
+    One all-gather of 2 + 32 int64 per rank along each mesh dim (last first), so
+    every rank of the mesh -- and only those -- sees every row and raises alike.
+    """
     from shardlab.trace import label
 
-    mine = torch.tensor([local.ndim, *local.shape], dtype=torch.int64, device=local.device)
-    width = torch.tensor([local.ndim + 1], dtype=torch.int64, device=local.device)
-    world = dist.get_world_size()
+    row = torch.full((2 + _MAX_NDIM,), -1, dtype=torch.int64, device=local.device)
+    row[0] = local.ndim if local.ndim <= _MAX_NDIM else -1
+    row[1] = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else len(_DTYPES)
+    row[2 : 2 + min(local.ndim, _MAX_NDIM)] = torch.tensor(
+        local.shape[:_MAX_NDIM], dtype=torch.int64
+    )
+    grid = row
     with label("from_local.shapes"):
-        dist.all_reduce(width, dist.ReduceOp.MAX)
-        padded = torch.full((int(width),), -1, dtype=torch.int64, device=local.device)
-        padded[: mine.numel()] = mine
-        out = torch.empty(world * int(width), dtype=torch.int64, device=local.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, padded)
-    rows = out.view(world, int(width)).tolist()
-    ndims = {row[0] for row in rows}
+        for m in reversed(range(mesh.ndim)):  # rows of my line of mesh dim m, then up
+            n = mesh.shape[m]
+            out = torch.empty(n * grid.numel(), dtype=torch.int64, device=local.device)
+            _compat.all_gather_single(out, grid.reshape(-1), group=mesh.get_group(m))
+            grid = out.view(n, *grid.shape)
+    rows = {coord: grid[coord].tolist() for coord in _coords(mesh)}
+    ndims = sorted({r[0] for r in rows.values()})
+    if -1 in ndims:
+        raise ValueError(f"from_local: local tensors may have at most {_MAX_NDIM} dims")
     if len(ndims) != 1:
         raise ValueError(
-            f"from_local: local tensors have different numbers of dims across "
-            f"ranks: {[row[0] for row in rows]}"
+            "from_local: local tensors have different numbers of dims across ranks: "
+            + ", ".join(f"{c}: {r[0]}" for c, r in rows.items())
         )
-    shapes = {}
-    for coord in [tuple(c) for c in _coords(mesh)]:
-        row = rows[comm.rank_at(mesh, coord)]
-        shapes[coord] = tuple(row[1 : 1 + row[0]])
-    return shapes
+    dtypes = {r[1] for r in rows.values()}
+    if len(dtypes) != 1:
+        names = [str(_DTYPES[r[1]]) if r[1] < len(_DTYPES) else "other" for r in rows.values()]
+        raise ValueError(
+            "from_local: local tensors have different dtypes across ranks: "
+            + ", ".join(f"{c}: {n}" for c, n in zip(rows, names))
+        )
+    return {coord: tuple(r[2 : 2 + r[0]]) for coord, r in rows.items()}
 
 
 def _coords(mesh):
     import itertools
 
-    return itertools.product(*(range(n) for n in mesh.shape))
+    return [tuple(c) for c in itertools.product(*(range(n) for n in mesh.shape))]
 
 
 def _global_shape_from_local(local_shape, placements, sizes, mesh) -> list[int]:

@@ -60,19 +60,51 @@ def move(local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh) -> torch
     ops, received = [], []
     for mv in redistribute_plan(src, dst):
         if mv.local and mv.dst == me:
-            out[mv.dst_slices()] = local[mv.src_slices()]  # already here: a local copy
+            _put(out, mv.dst_slices(), _take(local, mv.src_slices()))  # a local copy
         elif mv.src == me:
-            ops.append(
-                dist.P2POp(dist.isend, local[mv.src_slices()].contiguous(), rank_at(mesh, mv.dst))
-            )
+            piece = _take(local, mv.src_slices()).contiguous()
+            ops.append(dist.P2POp(dist.isend, piece, rank_at(mesh, mv.dst)))
         elif mv.dst == me:
-            buf = local.new_empty([b - a for a, b in mv.box])
+            shape = [
+                len(s) if not isinstance(s, slice) else s.stop - s.start for s in mv.dst_slices()
+            ]
+            buf = local.new_empty(shape)
             ops.append(dist.P2POp(dist.irecv, buf, rank_at(mesh, mv.src)))
             received.append((mv, buf))
     run_p2p(ops)
     for mv, buf in received:
-        out[mv.dst_slices()] = buf
+        _put(out, mv.dst_slices(), buf)
     return out
+
+
+def _take(t: torch.Tensor, sel: tuple) -> torch.Tensor:
+    """``t`` at a per-dim selection: slices (block dims) or index arrays (strided dims)."""
+    if all(isinstance(s, slice) for s in sel):
+        return t[sel]
+    for d, s in enumerate(sel):
+        if isinstance(s, slice):
+            t = t.narrow(d, s.start, s.stop - s.start)
+        else:
+            t = t.index_select(d, torch.as_tensor(s, device=t.device))
+    return t
+
+
+def _put(out: torch.Tensor, sel: tuple, value: torch.Tensor) -> None:
+    """``out[sel] = value`` for a cartesian selection (slices and index arrays)."""
+    if all(isinstance(s, slice) for s in sel):
+        out[sel] = value
+        return
+    index = []
+    for d, s in enumerate(sel):
+        idx = (
+            torch.arange(s.start, s.stop, device=out.device)
+            if isinstance(s, slice)
+            else torch.as_tensor(s, device=out.device)
+        )
+        shape = [1] * out.ndim
+        shape[d] = -1
+        index.append(idx.view(shape))
+    out.index_put_(tuple(index), value)
 
 
 def _as_replicate(layout: ShardLayout, mesh_dims) -> ShardLayout:
@@ -81,7 +113,7 @@ def _as_replicate(layout: ShardLayout, mesh_dims) -> ShardLayout:
         Replicate() if m in mesh_dims and not isinstance(p, Shard) else p
         for m, p in enumerate(layout.placements)
     )
-    return ShardLayout(layout.global_shape, layout.mesh_shape, places, layout.sizes)
+    return layout.replace(placements=places)
 
 
 def _reduce_scatter_v(local, m, d, sizes, mesh, op) -> torch.Tensor:
@@ -143,6 +175,8 @@ def redistribute_local(
                 q = dst.placements[m]
                 if (
                     isinstance(q, Shard)
+                    and dst.is_block(q.dim)
+                    and len(dst.sizes[m]) == 1
                     and p.reduce_op in ("sum", "max", "min")
                     and not any(
                         isinstance(o, Shard) and o.dim == q.dim
@@ -155,7 +189,7 @@ def redistribute_local(
                     places[m] = q
                     sizes = list(src.sizes)
                     sizes[m] = dst.sizes[m]
-                    src = ShardLayout(src.global_shape, src.mesh_shape, tuple(places), tuple(sizes))
+                    src = src.replace(placements=tuple(places), sizes=tuple(sizes))
                     continue
                 local = local.clone()
                 dist.all_reduce(local, _REDUCE_OPS[p.reduce_op], group=mesh.get_group(m))

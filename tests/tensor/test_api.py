@@ -184,9 +184,7 @@ def test_scatter_tensor_on_a_2d_mesh_and_on_sub_meshes(ranks_for):
         ok = torch.equal(st.full_tensor(), g)
         for src in range(4):
             x = g if me == src else None
-            st = scatter_tensor(
-                x, src, mesh, [Shard(0), Shard(1)], sizes=[[6, 4], [3, 0]]
-            )
+            st = scatter_tensor(x, src, mesh, [Shard(0), Shard(1)], sizes=[[6, 4], [3, 0]])
             want = torch.arange(30.0).reshape(10, 3) + 100 * (src // 2)
             ok &= torch.equal(st.full_tensor(), want)
         return ok
@@ -269,18 +267,31 @@ def test_bad_input_errors_on_every_rank(ranks_for):
         try:  # only rank 2's block (3 rows) disagrees with its 4-row local tensor
             ShardTensor.from_local(x, mesh, [Shard(0)], [4, 4, 3])
             errors_local = None
-        except ValueError as exc:
+        except ValueError as exc:  # ... and every rank says so (one tiny all-gather)
             errors_local = str(exc)
+        try:  # validate=False: only the rank that disagrees can tell
+            ShardTensor.from_local(x, mesh, [Shard(0)], [4, 4, 3], validate=False)
+            unchecked = None
+        except ValueError as exc:
+            unchecked = str(exc)
+        try:  # different dtypes: a clear error on every rank, not an abort inside gloo
+            y = x.double() if this_rank().rank == 1 else x
+            ShardTensor.from_local(y, mesh, [Shard(0)])
+            dtypes = None
+        except ValueError as exc:
+            dtypes = str(exc)
         for name, fn in cases.items():
             try:
                 fn()
                 errors[name] = None
             except (ValueError, TypeError) as exc:
                 errors[name] = (type(exc).__name__, str(exc))
-        return errors, errors_local
+        return errors, errors_local, unchecked, dtypes
 
-    for rank, (errors, errors_local) in enumerate(ranks_for(3).run(body)):
-        assert (errors_local is not None) == (rank == 2)
+    for rank, (errors, errors_local, unchecked, dtypes) in enumerate(ranks_for(3).run(body)):
+        assert errors_local and "(2,)" in errors_local and "(3, 2)" in errors_local
+        assert (unchecked is not None) == (rank == 2)
+        assert dtypes and "dtypes" in dtypes and "torch.float64" in dtypes
         assert all(errors.values()), errors
         assert "12" in errors["sum"][1] and "9" in errors["sum"][1]
         assert "negative" in errors["negative"][1]

@@ -112,39 +112,52 @@ def test_ops_needing_a_gather_redistribute_exactly(ranks_for):
     assert ranks_for(3).run(body) == [True] * 3
 
 
-def test_unsupported_op_on_uneven_shards_is_a_clear_error(ranks_for):
-    def body():
-        mesh = this_rank().mesh
-        st = distribute(torch.randn(7, 4), mesh, [Shard(0)], sizes=[4, 2, 1])
-        try:
-            st.view(28)  # merges the sharded dim: no block layout describes the result
-        except NotImplementedError as exc:
-            return str(exc)
-        return None
-
-    for msg in ranks_for(3).run(body):
-        assert msg and "uneven" in msg and "Shard(0) sizes [4, 2, 1] on mesh dim 0" in msg
-        assert "edistribute" in msg
-
-
-def test_cat_of_uneven_shards(ranks_for):
-    """torch.cat takes a list of ShardTensors: along another dim it runs on the blocks;
-    along the sharded dim (uneven) it is a clear error, not a recursion."""
+def test_views_merging_uneven_sharded_dims_move_nothing(ranks_for):
+    """(7, 4) cut [4, 2, 1] on dim 0: view(28) is a block layout (sizes x 4), view(4, 7)
+    after a transpose is strided; neither moves a byte, and both come back exactly."""
 
     def body():
+        import shardlab
+
         mesh = this_rank().mesh
         g = torch.randn(7, 4, dtype=torch.float64)
         st = distribute(g, mesh, [Shard(0)], sizes=[4, 2, 1])
-        side = torch.cat([st, 2 * st], 1)
-        ok = torch.equal(side.full_tensor(), torch.cat([g, 2 * g], 1))
-        try:
-            torch.cat([st, st], 0)
-        except NotImplementedError as exc:
-            return ok, str(exc)
-        return ok, None
+        with shardlab.trace() as t:
+            flat = st.view(28)
+            strided = st.t().reshape(28)
+        return (
+            t.counts(),
+            flat.layout.sizes_along(0),
+            torch.equal(flat.full_tensor(), g.view(28)),
+            torch.equal(strided.full_tensor(), g.t().reshape(28)),
+        )
 
-    for ok, msg in ranks_for(3).run(body):
-        assert ok and msg and "cat on a ShardTensor" in msg and "Replicate()" in msg
+    for counts, sizes, a, b in ranks_for(3).run(body):
+        assert counts == {} and sizes == (16, 8, 4) and a and b
+
+
+def test_cat_of_uneven_shards(ranks_for):
+    """torch.cat of ShardTensors: along another dim it runs on the blocks; along the
+    uneven sharded dim each input moves only the rows that change owner."""
+
+    def body():
+        import shardlab
+
+        mesh = this_rank().mesh
+        g = torch.randn(7, 4, dtype=torch.float64)
+        st = distribute(g, mesh, [Shard(0)], sizes=[4, 2, 1])
+        with shardlab.trace() as t:
+            side = torch.cat([st, 2 * st], 1)
+        ok = torch.equal(side.full_tensor(), torch.cat([g, 2 * g], 1)) and t.counts() == {}
+        down = torch.cat([st, 3 * st], 0)
+        return (
+            ok,
+            down.layout.sizes_along(0),
+            torch.equal(down.full_tensor(), torch.cat([g, 3 * g])),
+        )
+
+    for ok, sizes, same in ranks_for(3).run(body):
+        assert ok and same and sizes == (8, 4, 2)
 
 
 def test_even_layouts_use_dtensor_and_stay_shardtensors(ranks_for):
@@ -226,7 +239,7 @@ def test_inputs_with_different_uneven_sizes_are_aligned(ranks_for):
         sa = distribute(a, mesh, [Shard(2)], [[4, 0, 5]])
         sb = distribute(b, mesh, [Shard(2)], [[3, 3, 3]])
         c, d = torch.cat([sa, sb], 1), sa + sb[:, :3]
-        assert c.layout.sizes == sa.layout.sizes
+        assert c.layout.sizes == sb.layout.sizes  # the smaller input moves
         (c.sum() + d.square().sum()).full_tensor().backward()
         ra, rb = (t.detach().clone().requires_grad_() for t in (a, b))
         cr, dr = torch.cat([ra, rb], 1), ra + rb[:, :3]

@@ -1,0 +1,107 @@
+"""Everything that differs between the torch releases shardlab supports, in one place.
+
+Supported and tested: torch 2.11, 2.12, 2.13, 2.14 and 2.15 (``SUPPORTED``). Each shim
+below names the versions and the difference. shardlab uses DTensor's public API where it
+can; the private pieces it relies on are listed here and pinned by ``tests/test_compat.py``,
+so a new torch release fails loudly in one place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED = ((2, 11), (2, 15))  # oldest and newest minor release tested in CI
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch_version() -> None:
+    """One clear message at import when the installed torch is outside the tested range."""
+    have = torch_version()
+    lo, hi = SUPPORTED
+    if not lo <= have <= hi:
+        raise ImportError(
+            f"shardlab supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (each tested in CI); "
+            f"this environment has torch {torch.__version__}. Install a supported torch, e.g. "
+            f"pip install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}'"
+        )
+
+
+# -- DTensor's spec objects (private; the fields are unchanged 2.11-2.15) ---------------
+def dtensor_spec(mesh, placements, shape, stride, dtype):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+def strided_shard_parts(placement) -> tuple[int, int] | None:
+    """``(dim, split_factor)`` of DTensor's ``_StridedShard`` (private), else None.
+    2.11-2.14: a Python class; 2.15: a C++ class with the same ``dim``/``split_factor``."""
+    from torch.distributed.tensor import placement_types
+
+    cls = getattr(placement_types, "_StridedShard", None)
+    if cls is not None and isinstance(placement, cls):
+        return int(placement.dim), int(placement.split_factor)
+    return None
+
+
+# -- the dispatch of DTensor subclasses ------------------------------------------------
+# 2.11: the C++ fast path (python_arg_parser.cpp ``is_dtensor``) takes every instance of a
+# DTensor subclass to DTensor's own dispatch, even when the subclass overrides
+# ``__torch_dispatch__``; results come back as plain DTensors. What it consults first is
+# torch's per-(op, class) rule registry (``torch._library.simple_registry``), so there
+# shardlab registers its dispatch as the rule of every operator for ShardTensor.
+# 2.12+: ``is_dtensor`` checks that ``__torch_dispatch__`` is DTensor's own, so the
+# subclass's method is called and nothing needs registering.
+def subclass_dispatch_is_bypassed() -> bool:
+    return torch_version() <= (2, 11)
+
+
+_REGISTERED: set[str] = set()
+
+
+def route_dispatch(cls, rule) -> None:
+    """Make ``rule(cls, func, types, args, kwargs)`` the dispatch of ``cls`` on 2.11; new
+    operators (registered after the first call) are added on the next call."""
+    if not subclass_dispatch_is_bypassed():
+        return
+    from torch._library.simple_registry import singleton
+
+    names = torch._C._dispatch_get_all_op_names()
+    if len(names) == len(_REGISTERED):
+        return
+    for name in names:
+        if name not in _REGISTERED:
+            _REGISTERED.add(name)
+            holder = singleton.find(name).torch_dispatch_rules
+            if holder.find(cls) is None:
+                holder.register(cls, rule)
+
+
+# -- torch's decompositions (private table; same layout 2.11-2.15) ----------------------
+def decomposition(func):
+    """torch's decomposition of ``func`` into simpler aten ops, or None: the Python
+    table (``torch._decomp``, private), else the op's own CompositeImplicitAutograd
+    kernel (ops that are composite in one release and a kernel in another, such as
+    ``expand_as`` in 2.15)."""
+    from torch._decomp import decomposition_table
+
+    found = decomposition_table.get(func)
+    if found is not None:
+        return found
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return func.decompose
+    return None
+
+
+# -- collectives ---------------------------------------------------------------------
+# ``all_gather_into_tensor`` is deprecated in favour of ``all_gather_single`` where it
+# exists (newer releases); both gather equal-sized tensors into one.
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)

@@ -1,0 +1,212 @@
+"""What every aten rule family needs: find the ShardTensors, move them, wrap results.
+
+Rules run inside ``ShardTensor.__torch_dispatch__``, below autograd: they take and
+return ShardTensors and never decide anything from a local shape (every rank takes the
+same path, so collectives always match).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils._pytree import tree_leaves, tree_map
+
+from shardlab import _compat
+from shardlab.layout import ShardLayout, chunk_sizes
+from shardlab.tensor import comm
+
+aten = torch.ops.aten
+
+
+def shard_tensor_cls():
+    from shardlab.tensor.api import ShardTensor
+
+    return ShardTensor
+
+
+def shards_in(tree) -> list:
+    st = shard_tensor_cls()
+    return [a for a in tree_leaves(tree) if isinstance(a, st)]
+
+
+def the_mesh(shards):
+    mesh = shards[0].device_mesh
+    for s in shards[1:]:
+        if s.device_mesh != mesh:
+            raise ValueError(
+                f"ShardTensors on different meshes in one op: {mesh} and {s.device_mesh}; "
+                "redistribute them onto one mesh first"
+            )
+    return mesh
+
+
+def me(mesh) -> tuple[int, ...]:
+    return comm.my_coord(mesh)
+
+
+def local(x):
+    return x._local_tensor if isinstance(x, shard_tensor_cls()) else x
+
+
+def locals_of(tree):
+    return tree_map(local, tree)
+
+
+def wrap(t: torch.Tensor, mesh, layout: ShardLayout):
+    """This rank's block ``t`` as a ShardTensor of ``layout`` (shapes must agree)."""
+    want = layout.local_shape(me(mesh))
+    if tuple(t.shape) != want:
+        raise RuntimeError(
+            f"shardlab internal error: a local result of shape {tuple(t.shape)} does not fit "
+            f"{layout} (this rank needs {want}); please report it"
+        )
+    return shard_tensor_cls()._wrap(t, mesh, layout)
+
+
+def replicate_layout(shape, mesh) -> ShardLayout:
+    return ShardLayout.build(tuple(shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
+
+
+def as_shard(t: torch.Tensor, mesh):
+    """A plain tensor next to ShardTensors: the same on every rank (Replicate)."""
+    return shard_tensor_cls()._wrap(t, mesh, replicate_layout(t.shape, mesh))
+
+
+def move(x, layout: ShardLayout, cause: str):
+    """ShardTensor ``x`` in ``layout`` (exact point-to-point moves / reductions)."""
+    if x._layout == layout:
+        return x
+    out = comm.redistribute_local(x._local_tensor, x._layout, layout, x.device_mesh, cause=cause)
+    return shard_tensor_cls()._wrap(out, x.device_mesh, layout)
+
+
+def without_partial(layout: ShardLayout, mesh_dims=None) -> ShardLayout:
+    """``layout`` with its Partial mesh dims (or only ``mesh_dims``) made Replicate."""
+    places = tuple(
+        Replicate() if isinstance(p, Partial) and (mesh_dims is None or m in mesh_dims) else p
+        for m, p in enumerate(layout.placements)
+    )
+    return layout.replace(placements=places)
+
+
+def reduced(x, cause: str, mesh_dims=None):
+    """``x`` with its Partial values summed (max'ed ...) into Replicate."""
+    if not any(isinstance(p, Partial) for p in x._layout.placements):
+        return x
+    return move(x, without_partial(x._layout, mesh_dims), cause)
+
+
+def replicated(x, cause: str):
+    """The whole tensor on every rank (as a ShardTensor laid out Replicate everywhere)."""
+    return move(x, replicate_layout(x.shape, x.device_mesh), cause)
+
+
+def op_name(func) -> str:
+    return func.overloadpacket.__name__
+
+
+def is_inplace(func) -> bool:
+    """The op writes its first argument and returns it (``add_``, ``copy_`` ...)."""
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def written_args(func) -> list[int]:
+    """Indices of the arguments the op writes (in-place ops, ``out=``)."""
+    return [
+        i
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def layout_of_dtensor(dt) -> ShardLayout:
+    """The layout of a plain DTensor: chunk sizes (``_StridedShard`` as atoms)."""
+    mesh, shape = dt.device_mesh, tuple(dt.shape)
+    places, sizes, atoms, cuts = [], [], [None] * len(shape), []
+    for m, p in enumerate(dt.placements):
+        strided = _compat.strided_shard_parts(p)
+        if strided is not None:
+            d, sf = strided
+            d %= len(shape)
+            if shape[d] % sf or any(
+                (isinstance(q, Shard) or _compat.strided_shard_parts(q))
+                and k != m
+                and (q.dim if isinstance(q, Shard) else _compat.strided_shard_parts(q)[0])
+                % len(shape)
+                == d
+                for k, q in enumerate(dt.placements)
+            ):
+                raise NotImplementedError(
+                    f"a DTensor with {p} on mesh dim {m} (shape {list(shape)}) has no exact "
+                    "shardlab layout; redistribute it first"
+                )
+            places.append(Shard(d))
+            sizes.append((chunk_sizes(shape[d] // sf, mesh.shape[m]),))
+            atoms[d] = (sf, shape[d] // sf)
+            cuts.append(1)
+        else:
+            places.append(p)
+            sizes.append(None)
+            cuts.append(None)
+    if all(a is None for a in atoms):
+        return ShardLayout.build(shape, tuple(mesh.shape), places)
+    for m, p in enumerate(places):
+        if isinstance(p, Shard) and sizes[m] is None:
+            sizes[m] = (chunk_sizes(shape[p.dim], mesh.shape[m]),)
+    return ShardLayout(
+        shape, tuple(mesh.shape), tuple(places), tuple(sizes), tuple(atoms), tuple(cuts)
+    )
+
+
+def adopt(tree):
+    """Plain DTensors in an op's arguments become ShardTensors (chunk sizes are just one
+    layout); everything else is left as it is."""
+    st = shard_tensor_cls()
+
+    def conv(a):
+        if isinstance(a, DTensor) and not isinstance(a, st):
+            return st._wrap(a._local_tensor, a.device_mesh, layout_of_dtensor(a))
+        return a
+
+    return tree_map(conv, tree)
+
+
+def meta_of(x):
+    st = shard_tensor_cls()
+    if isinstance(x, st):
+        return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+class _NoMeta(Exception):
+    pass
+
+
+def meta_call(func, args, kwargs):
+    """``func`` on shape-only copies of the global tensors: torch's own argument errors,
+    raised alike on every rank, and the global output shapes. None when torch has no
+    meta kernel for it (or the output size depends on the data)."""
+    margs, mkwargs = tree_map(meta_of, (args, kwargs))
+    try:
+        return func(*margs, **mkwargs)
+    except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException):
+        return None
+    except RuntimeError as exc:
+        text = str(exc)
+        if "meta" in text.lower() and ("not implemented" in text or "backend" in text.lower()):
+            return None
+        if "data-dependent" in text or "Cannot copy out of meta" in text:
+            return None
+        raise
+
+
+def rebuild(like, items: list):
+    """A list/tuple/namedtuple/structseq of the same type as ``like`` holding ``items``."""
+    if isinstance(like, list):
+        return items
+    if hasattr(type(like), "_fields"):  # namedtuple (torch.return_types in newer releases)
+        return type(like)(*items)
+    return type(like)(items)

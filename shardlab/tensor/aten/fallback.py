@@ -1,0 +1,95 @@
+"""The last resort for an op no rule and no decomposition covers: compute it whole.
+
+1. every ShardTensor argument is gathered whole on every rank (Partial values reduced),
+   labelled ``auto-redistribute for <op>`` in the tracer;
+2. the op runs on the whole tensors, the same on every rank (random ops too: every rank
+   draws the same numbers when the ranks' generators agree, as after ``manual_seed``);
+3. results come back Replicate, except that a result shaped like the first sharded input
+   is cut like it again (slicing: no message), and arguments the op writes (``x.op_()``,
+   ``out=``) get their new values back in their own layout.
+
+Always exact, never a hang (the decision reads global layouts only), but it moves and
+holds whole tensors: a rule in this package is the fix for an op that shows up here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial
+from torch.utils._pytree import tree_map
+
+from . import _common as c
+
+aten = torch.ops.aten
+
+
+def replicate_and_run(func, args, kwargs):
+    st = c.shard_tensor_cls()
+    shards = c.shards_in((args, kwargs))
+    mesh = c.the_mesh(shards)
+    cause = f"auto-redistribute for {c.op_name(func)}"
+    whole: dict[int, object] = {}
+
+    def gather(a):
+        if isinstance(a, st):
+            if id(a) not in whole:
+                whole[id(a)] = c.replicated(a, cause)._local_tensor
+            return whole[id(a)]
+        return a
+
+    local_args, local_kwargs = tree_map(gather, (args, kwargs))
+    written = {i for i in c.written_args(func)}
+    # in-place on a gathered copy: the copy must not alias the caller's block
+    if written:
+        local_args = [
+            a.clone()
+            if i in written and isinstance(args[i], st) and a is args[i]._local_tensor
+            else a
+            for i, a in enumerate(local_args)
+        ]
+    result = func(*local_args, **local_kwargs)
+    for i in written:
+        target = args[i] if i < len(args) else None
+        if isinstance(target, st):
+            _write_back(target, local_args[i])
+    if written and c.is_inplace(func) and isinstance(args[0], st):
+        return args[0]
+    first = shards[0]
+    return _rewrap(result, mesh, first, local_args, written, args)
+
+
+def _write_back(x, full: torch.Tensor) -> None:
+    """The op wrote the whole tensor ``full``: keep ``x``'s block of it."""
+    layout = c.replicate_layout(full.shape, x.device_mesh)
+    if tuple(full.shape) != tuple(x.shape):
+        raise NotImplementedError(
+            f"an op resized a ShardTensor in place ({tuple(x.shape)} -> {tuple(full.shape)}); "
+            "not supported on ShardTensors"
+        )
+    block = c.move(
+        c.shard_tensor_cls()._wrap(full, x.device_mesh, layout),
+        c.without_partial(x._layout),
+        "write back",
+    )
+    target = x._local_tensor
+    if any(isinstance(p, Partial) for p in x._layout.placements):
+        x._set_layout(c.without_partial(x._layout))
+    target.copy_(block._local_tensor)
+
+
+def _rewrap(result, mesh, first, local_args, written, args):
+    st = c.shard_tensor_cls()
+    if isinstance(result, torch.Tensor):
+        for i in written:  # an op returning its out= argument returns that ShardTensor
+            if i < len(args) and result is local_args[i] and isinstance(args[i], st):
+                return args[i]
+        out = c.wrap(result, mesh, c.replicate_layout(result.shape, mesh))
+        lay = c.without_partial(first._layout)
+        if tuple(result.shape) == tuple(first.shape) and lay != out._layout:
+            out = c.move(out, lay, "fallback.reshard")  # a slice of what every rank has
+        return out
+    if isinstance(result, (list, tuple)):
+        return c.rebuild(
+            result, [_rewrap(r, mesh, first, local_args, written, args) for r in result]
+        )
+    return result

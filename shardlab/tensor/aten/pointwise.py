@@ -1,0 +1,173 @@
+"""Element-wise ops on ShardTensors (torch's ``pointwise`` tag, and a few untagged ones).
+
+1. The output layout is one input's layout carried to the output shape
+   (:func:`~shardlab.layout.elementwise.target_from`); the input whose layout costs the
+   fewest moved elements wins (ties: the first). In-place ops keep ``self``'s layout.
+2. Every input moves to that layout restricted to its own shape (broadcast dims:
+   Replicate; a plain tensor is sliced, which moves nothing).
+3. The op runs on the local blocks. No other communication.
+
+``Partial(sum)`` passes through the ops that are linear in it (``-x``, ``a + b`` of two
+Partials, ``x * r`` / ``x / r`` with ``r`` not Partial, casts between float types);
+anything else reduces it first (one all-reduce), as DTensor does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial
+
+from shardlab.layout.elementwise import restrict, target_from
+from shardlab.layout.moves import move_cost
+
+from . import _common as c
+
+aten = torch.ops.aten
+
+_UNTAGGED = {
+    aten._to_copy, aten.clone, aten.copy_, aten.fill_, aten.fill, aten.zero_, aten.detach,
+    aten.alias, aten.lift_fresh, aten.zeros_like, aten.ones_like, aten.empty_like,
+    aten.full_like, aten.masked_fill, aten.masked_fill_, aten.where, aten.threshold_backward,
+    aten.gelu_backward, aten.silu_backward, aten.sigmoid_backward, aten.tanh_backward,
+    aten.hardtanh_backward, aten.leaky_relu_backward, aten.elu_backward,
+    aten.softplus_backward, aten.hardswish_backward, aten.hardsigmoid_backward,
+    aten.mish_backward, aten.native_dropout_backward, aten.isnan, aten.isinf,
+    aten.nan_to_num, aten.positive, aten.logical_not, aten.logical_and, aten.logical_or,
+    aten.logical_xor, aten.clamp, aten.clamp_min, aten.clamp_max, aten.lerp, aten.addcmul,
+    aten.addcdiv, aten.bitwise_not, aten.relu, aten.relu_, aten.sign, aten.isfinite,
+    aten.lift_fresh_copy, aten.log_sigmoid_backward, aten.glu_backward, aten.to,
+    aten._conj, aten.conj, aten.resolve_conj, aten.resolve_neg,
+}  # fmt: skip
+_LINEAR_UNARY = {aten.neg, aten.neg_, aten.clone, aten.detach, aten.alias, aten.positive,
+                 aten.lift_fresh, aten._to_copy, aten.to, aten.conj, aten._conj,
+                 aten.resolve_conj, aten.resolve_neg}  # fmt: skip
+_ADDITIVE = {aten.add, aten.add_, aten.sub, aten.sub_}
+_SCALING = {aten.mul, aten.mul_, aten.div, aten.div_}
+_RANDOM = torch.Tag.nondeterministic_seeded
+
+
+def is_pointwise(func) -> bool:
+    if _RANDOM in func.tags:
+        return False  # random ops: the fallback draws the global tensor (see fallback.py)
+    return torch.Tag.pointwise in func.tags or func.overloadpacket in _UNTAGGED
+
+
+def _tensors(args, kwargs) -> list:
+    from torch.utils._pytree import tree_leaves
+
+    return [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+
+
+def keeps_partial(func, args, kwargs, m: int) -> bool:
+    """May the result stay Partial(sum) on mesh dim ``m``?"""
+    st = c.shard_tensor_cls()
+    ts = _tensors(args, kwargs)
+    is_p = [isinstance(t, st) and t._layout.placements[m] == Partial() for t in ts]
+    if not any(is_p):
+        return False
+    pk = func.overloadpacket
+    if pk in _LINEAR_UNARY and len(ts) == 1:
+        if pk in (aten._to_copy, aten.to):
+            dtype = kwargs.get("dtype") or next(
+                (a for a in args[1:] if isinstance(a, torch.dtype)), None
+            )
+            return dtype is None or dtype.is_floating_point or dtype.is_complex
+        return True
+    if pk in _ADDITIVE:
+        return all(is_p) and len(ts) == 2
+    if pk in _SCALING:
+        if sum(is_p) != 1:
+            return False
+        if pk in (aten.div, aten.div_) and not is_p[0]:
+            return False
+        return not any(
+            isinstance(t, st) and isinstance(t._layout.placements[m], Partial) and not p
+            for t, p in zip(ts, is_p)
+        )
+    return False
+
+
+_LIKE = {aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like}
+
+
+def pointwise(func, args, kwargs, meta_out=None):
+    st = c.shard_tensor_cls()
+    if func.overloadpacket in _LIKE:  # only the layout of x matters, not its values
+        x = args[0]
+        out = func(x._local_tensor, *args[1:], **kwargs)
+        if func.overloadpacket is aten.empty_like:
+            out.zero_()  # replicas must agree
+        return c.wrap(out, x.device_mesh, c.without_partial(x._layout))
+    shards = c.shards_in((args, kwargs))
+    mesh = c.the_mesh(shards)
+    nm = mesh.ndim
+    ts = _tensors(args, kwargs)
+    out_shape = torch.broadcast_shapes(*[tuple(t.shape) for t in ts])
+    keep = [keeps_partial(func, args, kwargs, m) for m in range(nm)]
+    inplace = c.is_inplace(func)
+    cause = f"{c.op_name(func)}.align"
+    if inplace:
+        self = args[0]
+        if not isinstance(self, st):
+            raise NotImplementedError(
+                f"{c.op_name(func)}: writing ShardTensors into a plain tensor is not supported; "
+                "call .full_tensor() on the ShardTensor arguments first"
+            )
+        for m, p in enumerate(self._layout.placements):
+            if isinstance(p, Partial) and not keep[m]:
+                _reduce_in_place(self, m, cause)
+        target = self._layout
+    else:
+        candidates = []
+        for s in shards:
+            t = target_from(s._layout, out_shape, keep)
+            if t not in candidates:
+                candidates.append(t)
+        target = min(candidates, key=lambda t: _cost(t, shards, nm))
+    local_args, local_kwargs = _moved_locals(args, kwargs, target, mesh, cause)
+    result = func(*local_args, **local_kwargs)
+    if inplace:
+        return args[0]
+    return _wrap_all(result, mesh, target)
+
+
+def _cost(target, shards, nm) -> int:
+    total = 0
+    for s in shards:
+        part = [isinstance(p, Partial) for p in s._layout.placements]
+        total += move_cost(s._layout, restrict(target, s.shape, part))
+    return total
+
+
+def _moved_locals(args, kwargs, target, mesh, cause):
+    from torch.utils._pytree import tree_map
+
+    st = c.shard_tensor_cls()
+
+    def conv(a):
+        if isinstance(a, st):
+            part = [isinstance(p, Partial) for p in a._layout.placements]
+            return c.move(a, restrict(target, a.shape, part), cause)._local_tensor
+        if isinstance(a, torch.Tensor) and a.ndim > 0:
+            return c.move(
+                c.as_shard(a, mesh), restrict(target, a.shape, [False] * mesh.ndim), cause
+            )._local_tensor
+        return a
+
+    return tree_map(conv, args), tree_map(conv, kwargs)
+
+
+def _wrap_all(result, mesh, target):
+    if isinstance(result, torch.Tensor):
+        return c.wrap(result, mesh, target)
+    if isinstance(result, (list, tuple)):
+        return c.rebuild(result, [_wrap_all(r, mesh, target) for r in result])
+    return result
+
+
+def _reduce_in_place(x, m: int, cause: str) -> None:
+    """An in-place op on a Partial value that is not linear: reduce it into x itself."""
+    new = c.without_partial(x._layout, [m])
+    reduced = c.move(x, new, cause)
+    x._local_tensor.copy_(reduced._local_tensor)
+    x._set_layout(new)

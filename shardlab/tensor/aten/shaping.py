@@ -1,0 +1,420 @@
+"""Ops that build tensors from pieces: cat, constant padding, new tensors, the backward of
+slicing, embedding, indexing, tril/triu.
+
+``cat`` along a cut dim (uneven sizes too)::
+
+    a sizes [3, 1], b sizes [2, 2]   ->  out sizes [5, 3]  (rank k: a's part + b's part)
+    out rows 0-4 on rank 0 = a[0:3] + a[3:4] + b[0:1]: each input first moves to the
+    sizes that tile its stretch of the output (point to point, only what changes owner)
+
+``constant_pad_nd`` along a cut dim grows the first and the last rank only (no message).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardlab.layout import ShardLayout, chunk_sizes, moves
+from shardlab.layout.elementwise import restrict
+
+from . import _common as c
+from .registry import register
+from .views import slice_of
+
+aten = torch.ops.aten
+
+
+def _cutters(layout, dim):
+    return [m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim == dim]
+
+
+@register(aten.cat.default)
+def _cat(func, args, kwargs):
+    tensors = list(args[0])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    shards = c.shards_in(tensors)
+    mesh = c.the_mesh(shards)
+    ref = max(shards, key=lambda s: s.numel())
+    dim %= ref.ndim
+    cause = "cat.align"
+    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0 and ref.ndim > 1)]
+    tensors = [
+        c.reduced(t if isinstance(t, c.shard_tensor_cls()) else c.as_shard(t, mesh), "cat.partial")
+        for t in tensors
+    ]
+    lay = c.reduced(ref, "cat.partial")._layout
+    cut = _cutters(lay, dim)
+    if cut and (len(cut) > 1 or not lay.is_block(dim)):
+        lay = moves.replicated(lay, cut)
+        cut = []
+    if not cut:
+        out_layout = lay.replace(global_shape=_cat_shape(tensors, dim))
+        locs = [
+            c.move(t, restrict(lay, t.shape, [False] * mesh.ndim), cause)._local_tensor
+            for t in tensors
+        ]
+        return c.wrap(torch.cat(locs, dim), mesh, out_layout)
+    (m,) = cut
+    # 1. output sizes: rank k keeps as many rows as it holds of the inputs cut like ref
+    parts = []
+    for t in tensors:
+        tc = _cutters(t._layout, dim)
+        if tc == [m] and t._layout.is_block(dim) and len(t._layout.sizes[m]) == 1:
+            parts.append(t._layout.sizes[m][0])
+        else:
+            parts.append(chunk_sizes(t.shape[dim], mesh.shape[m]))
+    out_sizes = tuple(map(sum, zip(*parts)))
+    bounds = [0]
+    for n in out_sizes:
+        bounds.append(bounds[-1] + n)
+    # 2. each input moves to the sizes that tile its stretch [base, base + n) of the output
+    locs, base = [], 0
+    for t in tensors:
+        n = t.shape[dim]
+        sizes = tuple(
+            max(0, min(b1, base + n) - max(b0, base)) for b0, b1 in zip(bounds, bounds[1:])
+        )
+        want = restrict(lay, t.shape, [False] * mesh.ndim)
+        entry = list(want.sizes)
+        entry[m] = (sizes,)
+        want = want.replace(sizes=tuple(entry))
+        locs.append(c.move(t, want, cause)._local_tensor)
+        base += n
+    out_entry = list(lay.sizes)
+    out_entry[m] = (out_sizes,)
+    out = lay.replace(global_shape=_cat_shape(tensors, dim), sizes=tuple(out_entry))
+    return c.wrap(torch.cat(locs, dim), mesh, out)
+
+
+def _cat_shape(tensors, dim):
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return tuple(shape)
+
+
+@register(aten.constant_pad_nd.default)
+def _pad(func, args, kwargs):
+    x, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    local_pad = [0] * len(pad)
+    for j in range(len(pad) // 2):
+        dim = x.ndim - 1 - j
+        left, right = pad[2 * j], pad[2 * j + 1]
+        if left < 0 or right < 0:  # cropping is slicing
+            x = slice_of(x, dim, max(0, -left), x.shape[dim] - max(0, -right))
+            left, right = max(left, 0), max(right, 0)
+        cut = _cutters(x._layout, dim)
+        if cut and (len(cut) > 1 or not x._layout.is_block(dim)):
+            x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for pad")
+            cut = []
+        if not cut:
+            local_pad[2 * j], local_pad[2 * j + 1] = left, right
+            continue
+        (m,) = cut
+        coord = c.me(x.device_mesh)[m]
+        last = x.device_mesh.shape[m] - 1
+        local_pad[2 * j] = left if coord == 0 else 0
+        local_pad[2 * j + 1] = right if coord == last else 0
+        sizes = list(x._layout.sizes[m][0])
+        sizes[0] += left
+        sizes[-1] += right
+        shape = list(x.shape)
+        shape[dim] += left + right
+        entry = list(x._layout.sizes)
+        entry[m] = (tuple(sizes),)
+        new = x._layout.replace(global_shape=tuple(shape), sizes=tuple(entry))
+        x = c.shard_tensor_cls()._wrap(
+            torch.constant_pad_nd(
+                x._local_tensor, [0] * (2 * j) + local_pad[2 * j : 2 * j + 2], value
+            ),
+            x.device_mesh,
+            new,
+        )
+        local_pad[2 * j] = local_pad[2 * j + 1] = 0
+    shape = list(x.shape)
+    for j in range(len(local_pad) // 2):
+        shape[x.ndim - 1 - j] += local_pad[2 * j] + local_pad[2 * j + 1]
+    y = (
+        torch.constant_pad_nd(x._local_tensor, local_pad, value)
+        if any(local_pad)
+        else (x._local_tensor.clone())
+    )
+    return c.wrap(y, x.device_mesh, x._layout.replace(global_shape=tuple(shape)))
+
+
+@register(
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+)
+def _new(func, args, kwargs):
+    """A new tensor of a given (global) shape: whole on every rank."""
+    x = args[0]
+    y = func(x._local_tensor, *args[1:], **kwargs)
+    if func is aten.new_empty.default or func is aten.new_empty_strided.default:
+        y.zero_()  # every rank must hold the same values of a Replicate tensor
+    return c.wrap(y, x.device_mesh, c.replicate_layout(y.shape, x.device_mesh))
+
+
+@register(aten._local_scalar_dense.default, aten.is_nonzero.default)
+def _scalar(func, args, kwargs):
+    return func(c.replicated(args[0], "item")._local_tensor)
+
+
+@register(aten.slice_backward.default)
+def _slice_backward(func, args, kwargs):
+    """Gradient of a slice: zeros around each rank's block of the gradient, no message.
+    Along a cut dim, rank k's piece runs from its first sliced row to the next rank's."""
+    grad, sizes, dim, start, end, step = args[:6]
+    dim %= grad.ndim
+    n = sizes[dim]
+    start, end = _clamp(start, n), _clamp(end, n)
+    grad = c.reduced(grad, "slice_backward.partial")
+    lay = grad._layout
+    cut = _cutters(lay, dim)
+    if cut and (len(cut) > 1 or not lay.is_block(dim)):
+        grad = c.move(grad, moves.replicated(lay, cut), "auto-redistribute for slice_backward")
+        lay, cut = grad._layout, []
+    mesh = grad.device_mesh
+    coord = c.me(mesh)
+    entry = list(lay.sizes)
+    if cut:
+        (m,) = cut
+        counts = lay.sizes[m][0]
+        bounds = [0]
+        acc = 0
+        for k in range(1, len(counts)):
+            acc += counts[k - 1]
+            bounds.append(min(n, start + acc * step))
+        bounds.append(n)
+        bounds = [max(bounds[: i + 1]) for i in range(len(bounds))]
+        entry[m] = (tuple(b - a for a, b in zip(bounds, bounds[1:])),)
+        lo = bounds[coord[m]]
+    else:
+        lo = 0
+    out = lay.replace(global_shape=tuple(sizes), sizes=tuple(entry))
+    y = grad._local_tensor.new_zeros(out.local_shape(coord))
+    got = grad._local_tensor.shape[dim]
+    if got:
+        first = (start - lo) if not cut else (start + _first_index(lay, dim, coord) * step - lo)
+        idx = (slice(None),) * dim + (slice(first, first + (got - 1) * step + 1, step),)
+        y[idx] = grad._local_tensor
+    return c.wrap(y, mesh, out)
+
+
+def _first_index(lay, dim, coord) -> int:
+    return lay._piece(dim, tuple(coord))[0]
+
+
+def _clamp(v, n):
+    v = v + n if v < 0 else v
+    return min(max(v, 0), n)
+
+
+@register(aten.select_backward.default)
+def _select_backward(func, args, kwargs):
+    """Gradient of a select: the row goes back in; a mesh dim that is whole in the
+    gradient cuts the new dim into chunks (so no rank holds the whole zeros)."""
+    grad, sizes, dim, index = args[:4]
+    grad = c.reduced(grad, "select_backward.partial")
+    dim %= len(sizes)
+    n = sizes[dim]
+    index = index + n if index < 0 else index
+    lay, mesh = grad._layout, grad.device_mesh
+    places = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in lay.placements]
+    free = [m for m, p in enumerate(places) if isinstance(p, Replicate)]
+    atoms = None if lay.atoms is None else lay.atoms[:dim] + (None,) + lay.atoms[dim:]
+    entry = list(lay.sizes)
+    if free:
+        m = free[0]
+        places[m] = Shard(dim)
+        entry[m] = (ShardLayout.build((n,), (mesh.shape[m],), [Shard(0)]).sizes[0][0],)
+    out = ShardLayout(
+        tuple(sizes),
+        lay.mesh_shape,
+        tuple(places),
+        tuple(entry),
+        atoms,
+        None
+        if atoms is None
+        else tuple(0 if m in free[:1] else lay.cut_of(m) for m in range(mesh.ndim)),
+    )
+    coord = c.me(mesh)
+    y = grad._local_tensor.new_zeros(out.local_shape(coord))
+    o, k = out._piece(dim, coord)
+    if o <= index < o + k:
+        y.select(dim, index - o).copy_(grad._local_tensor)
+    return c.wrap(y, mesh, out)
+
+
+@register(aten.embedding.default)
+def _embedding(func, args, kwargs):
+    weight, indices = args[0], args[1]
+    st = c.shard_tensor_cls()
+    mesh = c.the_mesh(c.shards_in((weight, indices)))
+    weight = weight if isinstance(weight, st) else c.as_shard(weight, mesh)
+    indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
+    weight = c.reduced(weight, "embedding.partial")
+    wl = weight._layout
+    if any(isinstance(p, Shard) and p.dim == 0 for p in wl.placements):
+        return NotImplemented  # vocab-parallel rows: decomposition / fallback
+    il = indices._layout
+    places, entry = [], []
+    for m, (p, q) in enumerate(zip(il.placements, wl.placements)):
+        if isinstance(q, Shard):  # embedding dim cut (tensor parallel): indices whole
+            places.append(Shard(indices.ndim))
+            entry.append(wl.sizes[m])
+        else:
+            places.append(p)
+            entry.append(il.sizes[m])
+    if any(isinstance(q, Shard) for q in wl.placements) and any(
+        isinstance(p, Shard) for p in il.placements
+    ):
+        indices = c.move(indices, c.replicate_layout(indices.shape, mesh), "embedding.align")
+        il = indices._layout
+        places = [
+            Shard(indices.ndim) if isinstance(q, Shard) else Replicate() for q in wl.placements
+        ]
+        entry = [wl.sizes[m] if isinstance(q, Shard) else None for m, q in enumerate(wl.placements)]
+    atoms = None if il.atoms is None else il.atoms + (None,)
+    out = ShardLayout(
+        tuple(indices.shape) + (weight.shape[1],),
+        il.mesh_shape,
+        tuple(places),
+        tuple(entry),
+        atoms,
+        il.cuts,
+    )
+    y = func(weight._local_tensor, indices._local_tensor, *args[2:], **kwargs)
+    return c.wrap(y, mesh, out)
+
+
+@register(aten.embedding_dense_backward.default)
+def _embedding_backward(func, args, kwargs):
+    """Rows of the weight gradient summed over this rank's tokens: Partial(sum) over the
+    mesh dims that cut the tokens (one all-reduce when read)."""
+    grad, indices, num_weights, padding_idx, scale_by_freq = args[:5]
+    if scale_by_freq:
+        return NotImplemented
+    mesh = c.the_mesh(c.shards_in((grad, indices)))
+    st = c.shard_tensor_cls()
+    indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
+    grad = c.reduced(grad, "embedding_backward.partial")
+    lead = list(range(indices.ndim))
+    if any(isinstance(p, Shard) and p.dim == indices.ndim for p in grad._layout.placements):
+        return NotImplemented
+    indices = c.move(
+        indices,
+        restrict(grad._layout, indices.shape, [False] * mesh.ndim),
+        "embedding_backward.align",
+    )
+    y = func(grad._local_tensor, indices._local_tensor, *args[2:], **kwargs)
+    places = [
+        Partial() if isinstance(p, Shard) and p.dim in lead else Replicate()
+        for p in grad._layout.placements
+    ]
+    out = ShardLayout(tuple(y.shape), grad._layout.mesh_shape, tuple(places), (None,) * mesh.ndim)
+    return c.wrap(y, mesh, out)
+
+
+@register(aten.tril.default, aten.triu.default)
+def _tril(func, args, kwargs):
+    """tril / triu keep (row, col) pairs by their *global* positions."""
+    x = c.reduced(args[0], "tril.partial")
+    diagonal = args[1] if len(args) > 1 else kwargs.get("diagonal", 0)
+    lay, mesh = x._layout, x.device_mesh
+    r, k = x.ndim - 2, x.ndim - 1
+    if not _cutters(lay, r) and not _cutters(lay, k):
+        return c.wrap(func(x._local_tensor, diagonal), mesh, lay)
+    coord = c.me(mesh)
+    rows = torch.as_tensor(lay.dim_indices(r, coord), device=x._local_tensor.device)
+    cols = torch.as_tensor(lay.dim_indices(k, coord), device=x._local_tensor.device)
+    keep = (cols[None, :] - rows[:, None]) <= diagonal
+    if func is aten.triu.default:
+        keep = (cols[None, :] - rows[:, None]) >= diagonal
+    local = x._local_tensor
+    return c.wrap(torch.where(keep, local, torch.zeros((), dtype=local.dtype)), mesh, lay)
+
+
+@register(aten.index.Tensor)
+def _index(func, args, kwargs):
+    """``x[idx]`` with whole (replicated) integer index tensors on dims no mesh dim cuts:
+    every rank indexes its block; other cases go to the fallback."""
+    x, indices = args[0], list(args[1])
+    st = c.shard_tensor_cls()
+    if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return NotImplemented
+    if any(
+        isinstance(i, st) and any(not isinstance(p, Replicate) for p in i._layout.placements)
+        for i in indices
+    ):
+        return NotImplemented
+    x = c.reduced(x, "index.partial")
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    cut = [m for m, p in enumerate(x._layout.placements) if isinstance(p, Shard) and p.dim in dims]
+    if cut:
+        x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for index")
+    loc = [None if i is None else c.local(i) for i in indices]
+    y = func(x._local_tensor, loc)
+    # result dims: the index shape replaces the indexed dims (in place when adjacent)
+    ishape = torch.broadcast_shapes(*[tuple(i.shape) for i in indices if i is not None])
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    front = dims[0] if adjacent else 0
+    rest = [d for d in range(x.ndim) if d not in dims]
+    where = {}
+    for d in rest:
+        where[d] = (
+            (d if d < front else d - len(dims) + len(ishape))
+            if adjacent
+            else (len(ishape) + rest.index(d))
+        )
+    lay = x._layout
+    places, atoms = [], [None] * y.ndim
+    gshape = list(y.shape)
+    for p in lay.placements:
+        if isinstance(p, Shard):
+            places.append(Shard(where[p.dim]))
+            atoms[where[p.dim]] = lay.dim_atoms(p.dim)
+            gshape[where[p.dim]] = x.shape[p.dim]
+        else:
+            places.append(p)
+    cuts = tuple(lay.cut_of(m) for m in range(len(places)))
+    if all(a is None or len(a) == 1 for a in atoms):
+        out = ShardLayout(tuple(gshape), lay.mesh_shape, tuple(places), lay.sizes)
+    else:
+        out = ShardLayout(
+            tuple(gshape),
+            lay.mesh_shape,
+            tuple(places),
+            lay.sizes,
+            tuple(None if a is None or len(a) == 1 else a for a in atoms),
+            cuts,
+        )
+    return c.wrap(y, x.device_mesh, out)
+
+
+@register(aten.gather.default)
+def _gather(func, args, kwargs):
+    """``gather(x, dim, index)``: dim whole in x, index cut like x elsewhere -> local."""
+    x, dim, index = args[0], args[1], args[2]
+    st = c.shard_tensor_cls()
+    mesh = c.the_mesh(c.shards_in((x, index)))
+    x = c.reduced(x if isinstance(x, st) else c.as_shard(x, mesh), "gather.partial")
+    index = index if isinstance(index, st) else c.as_shard(index, mesh)
+    dim %= x.ndim
+    lay = x._layout
+    bad = [
+        m
+        for m, p in enumerate(lay.placements)
+        if isinstance(p, Shard) and (p.dim == dim or index.shape[p.dim] != x.shape[p.dim])
+    ]
+    if bad:
+        x = c.move(x, moves.replicated(lay, bad), "auto-redistribute for gather")
+        lay = x._layout
+    target = restrict(lay, index.shape, [False] * mesh.ndim)
+    index = c.move(index, target, "gather.align")
+    y = func(x._local_tensor, dim, index._local_tensor, *args[3:], **kwargs)
+    return c.wrap(y, mesh, target)
