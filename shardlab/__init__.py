@@ -6,7 +6,11 @@ pool of ranks can import torch in its forkserver while the kernel does too.
 
 import importlib
 
-from shardlab.runtime import RankContext, RankError, Ranks, this_rank
+from shardlab._compat import check_torch_version
+
+check_torch_version()  # one clear message for an unsupported torch, before anything else
+
+from shardlab.runtime import RankContext, RankError, Ranks, this_rank  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -8,31 +8,45 @@ so a new torch release fails loudly in one place.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+import re
 
-SUPPORTED = ((2, 11), (2, 15))  # oldest and newest minor release tested in CI
+SUPPORTED = ((2, 11), (2, 15))  # oldest and newest minor release tested (pyproject agrees)
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+    import torch
+
+    return _minor(torch.__version__)
 
 
 def check_torch_version() -> None:
-    """One clear message at import when the installed torch is outside the tested range."""
-    have = torch_version()
+    """One clear message at ``import shardlab`` when the installed torch is missing or
+    outside the tested range (read from the package metadata: torch is not imported)."""
+    from importlib import metadata
+
     lo, hi = SUPPORTED
-    if not lo <= have <= hi:
+    wanted = f"torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+    hint = f"pip install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}'"
+    try:
+        have = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        raise ImportError(f"shardlab needs {wanted}, and torch is not installed: {hint}") from None
+    minor = _minor(have)
+    if minor is None or not lo <= minor <= hi:
         raise ImportError(
-            f"shardlab supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (each tested in CI); "
-            f"this environment has torch {torch.__version__}. Install a supported torch, e.g. "
-            f"pip install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}'"
+            f"shardlab supports {wanted} (each tested in CI); this environment has torch "
+            f"{have}. Install a supported torch: {hint}"
         )
 
 
 # -- DTensor's spec objects (private; the fields are unchanged 2.11-2.15) ---------------
 def dtensor_spec(mesh, placements, shape, stride, dtype):
+    import torch
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
@@ -70,6 +84,7 @@ def route_dispatch(cls, rule) -> None:
     operators (registered after the first call) are added on the next call."""
     if not subclass_dispatch_is_bypassed():
         return
+    import torch
     from torch._library.simple_registry import singleton
 
     names = torch._C._dispatch_get_all_op_names()
@@ -89,6 +104,7 @@ def decomposition(func):
     table (``torch._decomp``, private), else the op's own CompositeImplicitAutograd
     kernel (ops that are composite in one release and a kernel in another, such as
     ``expand_as`` in 2.15)."""
+    import torch
     from torch._decomp import decomposition_table
 
     found = decomposition_table.get(func)
@@ -102,6 +118,8 @@ def decomposition(func):
 # -- collectives ---------------------------------------------------------------------
 # ``all_gather_into_tensor`` is deprecated in favour of ``all_gather_single`` where it
 # exists (newer releases); both gather equal-sized tensors into one.
-def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+def all_gather_single(out, inp, group=None) -> None:
+    import torch.distributed as dist
+
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp, group=group)

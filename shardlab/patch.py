@@ -8,8 +8,9 @@
 
 Each patched name is replaced by a wrapt ``FunctionWrapper`` around the
 original: a call whose positional or keyword arguments include a ShardTensor
-goes to the handler registered for that name in :mod:`shardlab.ops.registry`;
-any other call goes to the original, with identical results and errors.
+(or a plain DTensor, read with its chunk sizes) goes to the handler registered
+for that name in :mod:`shardlab.ops.registry`; any other call goes to the
+original, with identical results and errors.
 Patching is idempotent and thread-safe; ``disable()`` and leaving
 ``patched()`` (also on an exception) restore the original objects.
 """
@@ -37,7 +38,7 @@ PATCHED_NAMES = (
 
 _LOCK = threading.RLock()
 _ORIGINALS: dict[str, object] = {}
-_SHARD_TENSOR: list = []  # the ShardTensor class, looked up once by enable()
+_SHARD_TENSOR: list = []  # DTensor (ShardTensor's base), looked up once by enable()
 
 
 def _has_shard_tensor(args, kwargs) -> bool:
@@ -56,27 +57,21 @@ def _router(name: str):
     def route(wrapped, instance, args, kwargs):
         if not _has_shard_tensor(args, kwargs):
             return wrapped(*args, **kwargs)
-        from shardlab.ops import HANDLERS, supported
+        from shardlab.ops.registry import call
 
-        handler = HANDLERS.get(name)
-        if handler is None:
-            raise NotImplementedError(
-                f"torch.nn.functional.{name} has no sharded implementation yet; shardlab "
-                f"handles {supported()} on ShardTensors. Redistribute the arguments to "
-                "Replicate() and call it on .full_tensor(), or disable the patches."
-            )
-        return handler(*args, **kwargs)
+        return call(name, args, kwargs)
 
     return route
 
 
 def enable() -> None:
     """Patch every name in :data:`PATCHED_NAMES` (a second call changes nothing)."""
+    from torch.distributed.tensor import DTensor
+
     import shardlab.ops  # noqa: F401  (registers the handlers)
-    from shardlab.tensor import ShardTensor
 
     with _LOCK:
-        _SHARD_TENSOR[:] = [ShardTensor]
+        _SHARD_TENSOR[:] = [DTensor]  # ShardTensors and plain DTensors alike
         for name in PATCHED_NAMES:
             if name in _ORIGINALS:
                 continue

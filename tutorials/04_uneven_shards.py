@@ -100,7 +100,7 @@ def to_columns(sizes):
         cols = st.redistribute(mesh, [Shard(1)])
     same = torch.equal(cols.full_tensor(), x)  # the same global tensor, now by columns
     received = t.bytes(kind="recv")
-    return tuple(cols.to_local().shape), t.counts(), same, cols.layout, t.events, received
+    return tuple(cols.to_local().shape), t.counts(), same, cols.sharding, t.events, received
 
 
 results = ranks.run(to_columns, SIZES)

@@ -157,3 +157,23 @@ def check_part(m: int, o: int | None, p: Placement, part: object, whole: int, ra
         raise ValueError(
             f"{name}: {desc} sum to {sum(part)} but tensor dim {p.dim} has {whole} elements{where}"
         )
+
+
+def cached(fn):
+    """Memoise a pure layout rule (layouts are hashable; list arguments become tuples).
+    A training step asks the same questions every step."""
+    import functools
+
+    memo = functools.lru_cache(maxsize=8192)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        key = tuple(tuple(a) if isinstance(a, list) else a for a in args)
+        try:
+            hash(key)
+        except TypeError:
+            return fn(*args)
+        return memo(*key)
+
+    wrapper.cache_clear = memo.cache_clear
+    return wrapper

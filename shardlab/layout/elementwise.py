@@ -18,11 +18,13 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ._checks import cached
 from .shards import ShardLayout
 
 __all__ = ["reduce_layout", "restrict", "target_from"]
 
 
+@cached
 def target_from(
     layout: ShardLayout, out_shape: Sequence[int], keep_partial: Sequence[bool]
 ) -> ShardLayout:
@@ -49,6 +51,7 @@ def target_from(
     return _make(out_shape, layout.mesh_shape, places, sizes, atoms, cuts)
 
 
+@cached
 def restrict(target: ShardLayout, shape: Sequence[int], partial: Sequence[bool]) -> ShardLayout:
     """What an input of ``shape`` must look like to be used with output layout ``target``.
 
@@ -76,6 +79,7 @@ def restrict(target: ShardLayout, shape: Sequence[int], partial: Sequence[bool])
     return _make(shape, target.mesh_shape, places, sizes, atoms, cuts)
 
 
+@cached
 def reduce_layout(
     layout: ShardLayout, dims: Sequence[int], keepdim: bool, kind: str = "sum"
 ) -> ShardLayout:

@@ -19,6 +19,7 @@ import itertools
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ._checks import cached
 from .shards import ShardLayout, chunk_sizes
 
 __all__ = ["mm_strategies"]
@@ -68,6 +69,7 @@ def _build(shape, mesh_shape, wants):
         return None
 
 
+@cached
 def mm_strategies(a: ShardLayout, b: ShardLayout, batched: bool):
     """Every (a target, b target, output layout) the operands' cuts suggest."""
     off = 1 if batched else 0

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ._checks import cached
 from .redistribute import moved_elements, redistribute_plan
 from .shards import ShardLayout, chunk_sizes, offsets
 from .views import Blocked
@@ -63,6 +64,7 @@ def resized(layout: ShardLayout, mesh_dims: Sequence[int], factor: int) -> Shard
     return layout.replace(sizes=tuple(sizes))
 
 
+@cached
 def move_cost(src: ShardLayout, dst: ShardLayout) -> int:
     """Elements received over the network, all ranks together (Partial: all-reduce ~2x)."""
     if src == dst:

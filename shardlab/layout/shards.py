@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -313,6 +314,9 @@ class ShardLayout:
 
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
         """Shape of the block held by the rank at ``coord``."""
+        return _local_shape(self, tuple(coord))
+
+    def _local_shape(self, coord: tuple[int, ...]) -> tuple[int, ...]:
         c = self._coord(coord)
         if self.atoms is None:
             return tuple(self._piece(d, c)[1] for d in range(len(self.global_shape)))
@@ -400,6 +404,11 @@ class ShardLayout:
         )
 
     __repr__ = __str__
+
+
+@functools.lru_cache(maxsize=16384)
+def _local_shape(layout: ShardLayout, coord: tuple[int, ...]) -> tuple[int, ...]:
+    return layout._local_shape(coord)
 
 
 def _check_atoms(global_shape: tuple[int, ...], atoms) -> None:

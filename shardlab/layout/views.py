@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Shard
 
+from ._checks import cached
 from .shards import ShardLayout
 
 __all__ = [
@@ -86,6 +87,7 @@ def _divisible(entry, factor: int) -> bool:
     return all(v % factor == 0 for part in entry for v in part)
 
 
+@cached
 def view_layout(layout: ShardLayout, shape: Sequence[int]) -> ShardLayout:
     """The layout of ``x.view(shape)`` (``shape`` without -1), or raise :class:`Blocked`."""
     shape = tuple(int(n) for n in shape)
@@ -194,6 +196,7 @@ def _merge_reason(layout, ms, shape) -> str:
     )
 
 
+@cached
 def permute_layout(layout: ShardLayout, perm: Sequence[int]) -> ShardLayout:
     """Layout of ``x.permute(perm)``: dims (with their atoms) travel, nothing moves."""
     ndim = len(layout.global_shape)
@@ -211,6 +214,7 @@ def permute_layout(layout: ShardLayout, perm: Sequence[int]) -> ShardLayout:
     )
 
 
+@cached
 def expand_layout(layout: ShardLayout, shape: Sequence[int]) -> ShardLayout:
     """Layout of ``x.expand(shape)`` (``-1`` kept as is): new leading dims and grown size-1
     dims are whole on every rank; a grown size-1 dim held by one rank is blocked."""
@@ -230,6 +234,7 @@ def expand_layout(layout: ShardLayout, shape: Sequence[int]) -> ShardLayout:
     return ShardLayout(tuple(out), layout.mesh_shape, places, layout.sizes, atoms, layout.cuts)
 
 
+@cached
 def select_dims_layout(layout: ShardLayout, keep: Sequence[int]) -> ShardLayout:
     """Layout after dropping every dim not in ``keep`` (none of them sharded)."""
     where = {d: j for j, d in enumerate(keep)}
@@ -262,6 +267,7 @@ def _count(a: int, b: int, start: int, stop: int, step: int) -> int:
     return 0 if first >= hi else (hi - 1 - first) // step + 1
 
 
+@cached
 def slice_layout(layout: ShardLayout, dim: int, start: int, stop: int, step: int):
     """Layout of ``x[..., start:stop:step, ...]`` along ``dim`` (bounds already clamped)."""
     n = max(0, (stop - start + step - 1) // step) if stop > start else 0

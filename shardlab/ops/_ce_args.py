@@ -81,7 +81,7 @@ def local_target(target, input, cd, probs, coord):
     indices: like its non-class dims) or Replicate, or a plain full tensor. No comm."""
     from shardlab.tensor import ShardTensor, distribute
 
-    want = input.layout if probs else rows_layout(input.layout, cd)
+    want = input.sharding if probs else rows_layout(input.sharding, cd)
     box = tuple(slice(a, b) for a, b in want.local_box(coord))
     if not isinstance(target, ShardTensor):
         if probs and target.requires_grad:  # its gradient: all-gathered in backward
@@ -89,7 +89,7 @@ def local_target(target, input, cd, probs, coord):
                 target, input.device_mesh, want.placements, build_sizes(want.sizes)
             ).to_local()
         return target[box]
-    if target.layout == want:
+    if target.sharding == want:
         return target.to_local()
     if all(isinstance(p, Replicate) for p in target.placements):
         if probs:
@@ -98,7 +98,7 @@ def local_target(target, input, cd, probs, coord):
             ).to_local()
         return target.to_local()[box]
     raise ValueError(
-        f"cross_entropy: target is laid out as [{describe(target.layout)}] but the input "
+        f"cross_entropy: target is laid out as [{describe(target.sharding)}] but the input "
         f"needs it as [{describe(want)}] (or Replicate()): redistribute the target"
     )
 

@@ -31,7 +31,7 @@ def check_input(name: str, input, first_spatial: int = 2) -> None:
     if not isinstance(input, ShardTensor):
         raise NotImplementedError(f"{name}: only the input may be a ShardTensor")
     seen = set()
-    for m, p in enumerate(input.layout.placements):
+    for m, p in enumerate(input.sharding.placements):
         if isinstance(p, Partial):
             raise NotImplementedError(
                 f"{name}: input Partial() on mesh dim {m} is not supported; redistribute it "
@@ -57,7 +57,7 @@ def spatial_mesh_dims(layout, first: int = 2) -> dict[int, int]:
 
 
 def my_offset(input, dim: int) -> int:
-    return input.layout.local_offset(tuple(input.device_mesh.get_coordinate()))[dim]
+    return input.sharding.local_offset(tuple(input.device_mesh.get_coordinate()))[dim]
 
 
 def rewrap(y, input, new_sizes: dict[int, list[int]], shape):
@@ -65,7 +65,7 @@ def rewrap(y, input, new_sizes: dict[int, list[int]], shape):
     gets ``new_sizes[m]`` if given, else the input's sizes (batch / channel dims)."""
     from shardlab.tensor import ShardTensor
 
-    layout = input.layout
+    layout = input.sharding
     sizes = [
         new_sizes.get(m, list(layout.sizes_along(p.dim))) if isinstance(p, Shard) else None
         for m, p in enumerate(layout.placements)
@@ -206,7 +206,7 @@ def summed_grads(tensors, input, cause):
     from shardlab.ops.conv import replicated_param
     from shardlab.tensor import ShardTensor
 
-    mesh, layout = input.device_mesh, input.layout
+    mesh, layout = input.device_mesh, input.sharding
     out = [
         replicated_param(t, mesh, layout.placements) if isinstance(t, ShardTensor) else t
         for t in tensors

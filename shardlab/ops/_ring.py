@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardlab.tensor.comm import post
 from shardlab.trace import label
 
 NEG_INF = -math.inf
@@ -152,7 +153,7 @@ def _post(plan: RingPlan, send: list, recv_shapes: list, like: torch.Tensor, cau
     if not ops:
         return bufs, []
     with label(*cause.split(" ")):
-        return bufs, dist.batch_isend_irecv(ops)
+        return bufs, post(ops)
 
 
 def _post_next_kv(plan: RingPlan, kv: list, j: int, t: int, cause: str):

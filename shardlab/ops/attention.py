@@ -13,6 +13,8 @@ q, k, v of shape (B, H, S, D) sharded along the sequence (dim -2), any sizes::
     3. RingAttention: N-1 K/V hops forward; K/V hops + dK/dV hops backward
     4. out (B, H, S_q, D_v) sharded exactly like q
 
+Batch or heads cut, the sequence whole: torch's own SDPA runs on the blocks (through
+shardlab's aten rules; masks may then require grad, as Swin's relative position bias).
 Also handled: q and k/v of different lengths and sizes (including 0 and 1);
 k/v replicated (plain tensors or ``Replicate()``): local compute, no ring and no
 message forward; batch or heads sharded on another mesh dim (the ring runs along
@@ -133,6 +135,10 @@ def scaled_dot_product_attention(
     from shardlab.tensor import ShardTensor
     from shardlab.tensor.comm import my_coord
 
+    if not _sequence_cut(query, key, value):  # batch/heads cut only: no ring needed
+        return torch._C._nn.scaled_dot_product_attention(  # torch's own, on the blocks
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     # 1. arguments, as torch checks them
     if dropout_p:
         raise NotImplementedError(
@@ -149,7 +155,7 @@ def scaled_dot_product_attention(
     mesh, nd = query.device_mesh, query.ndim
     seq = nd - 2
     rep = _check_shapes(query, key, value, enable_gqa)
-    ql, kl, vl = query.layout, _layout_of(key, mesh), _layout_of(value, mesh)
+    ql, kl, vl = query.sharding, _layout_of(key, mesh), _layout_of(value, mesh)
     coord = my_coord(mesh)
     ring = _check_layouts(ql, kl, vl, nd)
 
@@ -197,6 +203,18 @@ def scaled_dot_product_attention(
 
 
 # -- helpers ---------------------------------------------------------------------
+def _sequence_cut(*tensors) -> bool:
+    """Does a mesh dim cut the sequence (dim -2) of q, k or v?"""
+    from shardlab.tensor import ShardTensor
+
+    return any(
+        isinstance(p, Shard) and p.dim == t.ndim - 2
+        for t in tensors
+        if isinstance(t, ShardTensor)
+        for p in t.sharding.placements
+    )
+
+
 def _why(msg: str) -> NotImplementedError:
     return NotImplementedError(f"sharded scaled_dot_product_attention: {msg}")
 
@@ -227,7 +245,7 @@ def _layout_of(t, mesh) -> ShardLayout:
     if isinstance(t, ShardTensor):
         if t.device_mesh != mesh:
             raise _why("all ShardTensor arguments must be on the query's mesh")
-        return t.layout
+        return t.sharding
     return ShardLayout.build(tuple(t.shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
 
 
@@ -300,7 +318,7 @@ def _local_mask(mask, query, key, mesh, coord):
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target}")
     lay = _layout_of(mask, mesh)
     local = mask.to_local() if isinstance(mask, ShardTensor) else mask
-    box, qbox = lay.local_box(coord), query.layout.local_box(coord)
+    box, qbox = lay.local_box(coord), query.sharding.local_box(coord)
     for i, n in enumerate(mask.shape):
         if n == 1:
             continue

@@ -91,7 +91,7 @@ def _conv(name: str, n: int, transposed: bool):
             raise ValueError(
                 f"{name}: expected a {n + 2}-D input (N, C, *{n} spatial dims), got {input.ndim}-D"
             )
-        mesh, layout = input.device_mesh, input.layout
+        mesh, layout = input.device_mesh, input.sharding
         k = tuple(weight.shape[2:])
         s, d = _tuple("stride", stride, n), _tuple("dilation", dilation, n)
         pads = (

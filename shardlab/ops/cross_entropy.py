@@ -102,7 +102,7 @@ def cross_entropy(
             "target.full_tensor() or shard the logits."
         )
     ce_args.check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing)
-    mesh, layout = input.device_mesh, input.layout
+    mesh, layout = input.device_mesh, input.sharding
     cd = 1 if input.ndim >= 2 else 0
     class_dim, row_dims = ce_args.mesh_roles(layout, cd)
     coord = comm.my_coord(mesh)

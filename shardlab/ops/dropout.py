@@ -70,7 +70,7 @@ def counter_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
 
 def _global_flat_index(input) -> torch.Tensor:
     """Global row-major flat index of every element of this rank's block."""
-    layout = input.layout
+    layout = input.sharding
     box = layout.local_box(tuple(input.device_mesh.get_coordinate()))
     flat = torch.zeros((), dtype=torch.long)
     for d, (a, b) in enumerate(box):
@@ -92,7 +92,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
         return rewrap(x * 0, input, {}, input.shape)
     if _SCHEME[0] == "torch":  # torch's own noise for the whole tensor, then my block
         noise = torch.empty(tuple(input.shape), dtype=x.dtype).bernoulli_(1 - p)
-        box = input.layout.local_box(tuple(input.device_mesh.get_coordinate()))
+        box = input.sharding.local_box(tuple(input.device_mesh.get_coordinate()))
         keep = noise[tuple(slice(a, b) for a, b in box)]
     else:
         seed = int(torch.randint(0, 2**62, ()))  # same generator state -> same seed

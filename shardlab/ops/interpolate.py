@@ -63,7 +63,7 @@ def interpolate(
     check_input("interpolate", input)
     args = (size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
     shape = tuple(meta_call(F.interpolate, input, *args).shape)  # torch's checks and sizes
-    n, layout = input.ndim - 2, input.layout
+    n, layout = input.ndim - 2, input.sharding
     sharded = spatial_mesh_dims(layout)
     if not sharded:  # batch / channel shards: whole images on every rank
         x = input.to_local()

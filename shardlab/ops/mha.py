@@ -108,7 +108,7 @@ def _weights(q, k, mask, causal, average):
     if mask is not None or causal:
         from shardlab.tensor.comm import my_coord
 
-        lay = q.layout
+        lay = q.sharding
         start = lay.local_offset(my_coord(mesh))[2]
         rows = torch.arange(start, start + q_local.shape[2], device=scores.device)
         if causal:
@@ -122,7 +122,8 @@ def _weights(q, k, mask, causal, average):
     w = w.mean(1) if average else w
     seq_dim = 1 if average else 2
     sizes = [
-        list(q.layout.sizes_along(2)) if p.is_shard() and p.dim == 2 else None for p in q.placements
+        list(q.sharding.sizes_along(2)) if p.is_shard() and p.dim == 2 else None
+        for p in q.placements
     ]
     placements = [type(p)(seq_dim) if p.is_shard() and p.dim == 2 else p for p in q.placements]
     shape = (

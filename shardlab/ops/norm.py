@@ -57,7 +57,7 @@ def _meta(t):
 
 
 def _no_channel_shard(name, input):
-    if any(isinstance(p, Shard) and p.dim == 1 for p in input.layout.placements):
+    if any(isinstance(p, Shard) and p.dim == 1 for p in input.sharding.placements):
         raise NotImplementedError(
             f"{name}: a sharded channel dim is not supported; shard the batch or spatial dims"
         )
@@ -75,7 +75,7 @@ def _params(weight, bias, input, fused, cause):
 
 def _sync_norm(x, w, b, input, view, dims, count, stat_dims, name, eps, shift, pview):
     """Steps 1-3 by :class:`SyncNorm`; ``stat_dims``: tensor dims the statistics span."""
-    layout = input.layout
+    layout = input.sharding
     stat_mesh = sharding_mesh_dims(layout, stat_dims)
     fused = set(stat_mesh) == set(sharding_mesh_dims(layout)) and pview is not None
     if pview is not None:
@@ -145,7 +145,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     check_input("group_norm", input)
     _no_channel_shard("group_norm", input)
     meta_call(F.group_norm, input, num_groups, _meta(weight), _meta(bias), eps)
-    x, layout = input.to_local(), input.layout  # (N, C, *S_local)
+    x, layout = input.to_local(), input.sharding  # (N, C, *S_local)
     spatial = list(range(2, input.ndim))
     if not sharding_mesh_dims(layout, spatial):  # per-sample statistics, whole samples
         w, b = summed_grads([weight, bias], input, "group_norm.params")
@@ -176,7 +176,7 @@ def instance_norm(
         F.instance_norm, input, _meta(running_mean), _meta(running_var), _meta(weight),
         _meta(bias), use_input_stats, momentum, eps,
     )  # fmt: skip
-    x, layout, mesh = input.to_local(), input.layout, input.device_mesh  # (N, C, *S_local)
+    x, layout, mesh = input.to_local(), input.sharding, input.device_mesh  # (N, C, *S_local)
     spatial = list(range(2, input.ndim))
     track = running_mean is not None or running_var is not None
     reduce_dims = spatial + ([0] if track else [])  # running stats average over the batch
@@ -217,7 +217,7 @@ def instance_norm(
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     check_input("layer_norm", input, first_spatial=0)
     meta_call(F.layer_norm, input, normalized_shape, _meta(weight), _meta(bias), eps)
-    x, layout, mesh = input.to_local(), input.layout, input.device_mesh
+    x, layout, mesh = input.to_local(), input.sharding, input.device_mesh
     k = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
     dims = list(range(input.ndim - k, input.ndim))
     groups = groups_over(mesh, sharding_mesh_dims(layout, dims))
@@ -245,7 +245,7 @@ def _weight_block(t, input, k):
 
     if isinstance(t, ShardTensor):
         t = t.full_tensor()
-    layout, lead = input.layout, input.ndim - k
+    layout, lead = input.sharding, input.ndim - k
     places, grads, sizes = [], [], []
     for p in layout.placements:
         if isinstance(p, Shard) and p.dim >= lead:

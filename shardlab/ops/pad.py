@@ -40,7 +40,7 @@ def pad(input, pad, mode="constant", value=None):
         raise ValueError(
             f"pad: padding length must be even and at most 2 x {input.ndim}, got {len(pad)}"
         )
-    mesh, layout = input.device_mesh, input.layout
+    mesh, layout = input.device_mesh, input.sharding
     x = input.to_local()
     local_pad = [0] * len(pad)
     sizes = [

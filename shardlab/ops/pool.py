@@ -18,7 +18,9 @@ Sliding windows (``max_pool``/``avg_pool``), per rank::
        the count of (non-OVERHANG / in-input) positions: multiply by k / count(o)
        max + return_indices: window positions -> global flat spatial indices (as torch)
 
-Adaptive pools: output i along a dim of length L reads rows [floor(iL/O), ceil((i+1)L/O)).
+Adaptive pools to one element per spatial dim (global pooling): a local mean / max and a
+``Partial`` result, summed by one all-reduce when it is read. Otherwise output i along
+a dim of length L reads rows [floor(iL/O), ceil((i+1)L/O)).
 Its anchor is the first row. Step 1 fetches the needed rows with a :class:`RowPlan`;
 step 2 reduces each spatial dim separately, innermost first (max: torch's row-major
 first maximum; avg: the mean of means of equal-length rows = the box mean).
@@ -50,7 +52,7 @@ from shardlab.ops.registry import register
 
 def _halos(input, name, n, k, s, d, pads, ceil_mode, fill):
     """Step 1: ``(window, {dim: (plan, me, mesh_dim)})``; spatial dims are the last n."""
-    x, mesh, layout = input.to_local(), input.device_mesh, input.layout
+    x, mesh, layout = input.to_local(), input.device_mesh, input.sharding
     plans, first = {}, input.ndim - n
     for dim, m in sorted(spatial_mesh_dims(layout, first).items()):
         i = dim - first
@@ -187,10 +189,19 @@ def _adaptive(name: str, n: int, kind: str):
             raise TypeError(f"{name}() takes 2 positional arguments but 3 were given")
         ref = meta_call(op, input, output_size, *extra)
         shape = tuple((ref[0] if return_indices else ref).shape)
-        mesh, layout = input.device_mesh, input.layout
+        mesh, layout = input.device_mesh, input.sharding
+        lead = input.ndim - n  # (N, C, *spatial) or unbatched (C, *spatial)
+        spatial = list(range(lead, input.ndim))
+        if all(shape[d] == 1 for d in spatial) and not return_indices:
+            # global pooling (a classifier head): each rank reduces its rows, the result is a
+            # Partial sum / max, summed by one all-reduce when read (no row moves)
+            return (
+                input.mean(spatial, keepdim=True)
+                if kind == "avg"
+                else input.amax(spatial, keepdim=True)
+            )
         x, fill = input.to_local(), float("-inf") if kind == "max" else 0.0
         first, sizes = {}, {}  # first global row of the window; new sizes per mesh dim
-        lead = input.ndim - n  # (N, C, *spatial) or unbatched (C, *spatial)
         # 1. halo: exactly the rows this rank's output windows read, point to point
         for dim, m in sorted(spatial_mesh_dims(layout, lead).items()):
             starts, ends = _adaptive_windows(input.shape[dim], shape[dim])

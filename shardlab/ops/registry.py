@@ -24,3 +24,20 @@ def register(*names: str) -> Callable:
 
 def supported() -> list[str]:
     return sorted(HANDLERS)
+
+
+def call(name: str, args, kwargs):
+    """``F.<name>(*args, **kwargs)`` with ShardTensor (or plain DTensor) arguments:
+    the arguments prepared (:func:`shardlab.tensor.interop.prepare`: DTensors adopted,
+    Partial values reduced, strided dims made consecutive), then the handler."""
+    from shardlab.tensor.interop import prepare
+
+    handler = HANDLERS.get(name)
+    if handler is None:
+        raise NotImplementedError(
+            f"torch.nn.functional.{name} has no sharded implementation yet; shardlab "
+            f"handles {supported()} on ShardTensors. Redistribute the arguments to "
+            "Replicate() and call it on .full_tensor(), or disable the patches."
+        )
+    args, kwargs = prepare(args, kwargs, name)
+    return handler(*args, **kwargs)

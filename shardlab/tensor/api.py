@@ -25,7 +25,6 @@ from shardlab import _compat
 from shardlab.layout import ShardLayout
 from shardlab.tensor import comm
 from shardlab.tensor.losses import LOSSES, reduce_loss
-from shardlab.tensor.norms import NORMS, norm_of
 
 __all__ = ["ShardTensor", "scatter_tensor", "distribute"]
 
@@ -63,7 +62,7 @@ class ShardTensor(DTensor):
 
     Build one with :meth:`from_local`, :func:`shardlab.scatter_tensor` or
     :func:`shardlab.distribute`; leave with :meth:`full_tensor`,
-    :meth:`to_local` or :meth:`redistribute`. ``layout`` holds the sizes.
+    :meth:`to_local` or :meth:`redistribute`. ``sharding`` holds the sizes.
     """
 
     _layout: ShardLayout
@@ -107,7 +106,9 @@ class ShardTensor(DTensor):
 
     # -- what it is --------------------------------------------------------
     @property
-    def layout(self) -> ShardLayout:
+    def sharding(self) -> ShardLayout:
+        """Who holds what: the :class:`~shardlab.layout.ShardLayout` (placements and the
+        exact size of every piece). ``x.layout`` stays torch's (``torch.strided``)."""
         return self._layout
 
     def __repr__(self) -> str:
@@ -229,8 +230,6 @@ class ShardTensor(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         args, kwargs = _lift_trainable(args, kwargs)
-        if func in NORMS:  # norms: element-wise ops + exact sums / maxima
-            return norm_of(func, args, kwargs)
         if func in LOSSES or func is torch.nn.functional.cross_entropy:  # exact means
             out = reduce_loss(func, args, kwargs)
             if out is not NotImplemented:
@@ -288,23 +287,23 @@ def _lift_trainable(args, kwargs):
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, mesh, layout, stride):
-        ctx.mesh, ctx.layout = mesh, layout
+        ctx.mesh, ctx.sharding = mesh, layout
         return ShardTensor._wrap(local.view_as(local), mesh, layout, stride=stride)
 
     @staticmethod
     def backward(ctx, grad):
-        return _local_of(grad, _grad_layout(ctx.layout), ctx.mesh), None, None, None
+        return _local_of(grad, _grad_layout(ctx.sharding), ctx.mesh), None, None, None
 
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st, grad_layout):
-        ctx.mesh, ctx.layout = st.device_mesh, grad_layout
+        ctx.mesh, ctx.sharding = st.device_mesh, grad_layout
         return st._local_tensor.view_as(st._local_tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        return ShardTensor._wrap(grad, ctx.mesh, ctx.layout), None
+        return ShardTensor._wrap(grad, ctx.mesh, ctx.sharding), None
 
 
 class _Redistribute(torch.autograd.Function):
@@ -503,7 +502,7 @@ def _broadcast_in_mesh(objects: list, src: int, mesh) -> None:
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, src, mesh, layout):
-        ctx.src, ctx.mesh, ctx.layout = src, mesh, layout
+        ctx.src, ctx.mesh, ctx.sharding = src, mesh, layout
         ctx.shape, ctx.is_src = tensor.shape, dist.get_rank() == src
         from shardlab.trace import label
 
@@ -515,9 +514,9 @@ class _Scatter(torch.autograd.Function):
     def backward(ctx, grad):
         from shardlab.trace import label
 
-        local = _local_of(grad, _grad_layout(ctx.layout), ctx.mesh)
+        local = _local_of(grad, _grad_layout(ctx.sharding), ctx.mesh)
         with label("scatter_tensor backward"):
-            full = _gather_blocks(local, ctx.src, ctx.mesh, ctx.layout)
+            full = _gather_blocks(local, ctx.src, ctx.mesh, ctx.sharding)
         return (
             (
                 full
@@ -592,7 +591,7 @@ def distribute(tensor: torch.Tensor, device_mesh, placements, sizes=None) -> Sha
 class _Distribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, mesh, layout):
-        ctx.mesh, ctx.layout = mesh, layout
+        ctx.mesh, ctx.sharding = mesh, layout
         coord = comm.my_coord(mesh)
         box = tuple(slice(a, b) for a, b in layout.local_box(coord))
         local = tensor[box].clone()
@@ -604,8 +603,8 @@ class _Distribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         replicate = ShardLayout.build(
-            ctx.layout.global_shape,
-            ctx.layout.mesh_shape,
-            [Replicate()] * len(ctx.layout.mesh_shape),
+            ctx.sharding.global_shape,
+            ctx.sharding.mesh_shape,
+            [Replicate()] * len(ctx.sharding.mesh_shape),
         )
         return _local_of(grad, replicate, ctx.mesh), None, None

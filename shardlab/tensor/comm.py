@@ -42,11 +42,27 @@ def rank_at(mesh, coord) -> int:
     return int(mesh.mesh[tuple(coord)].item())
 
 
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it can travel: dense, with conjugate / negative views resolved (a lazy
+    ``conj()`` would fail in the backend on the sending rank only)."""
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
+def post(ops: list) -> list:
+    """``batch_isend_irecv`` of ``ops``, every sent tensor made :func:`wire`-ready."""
+    ready = [
+        dist.P2POp(op.op, wire(op.tensor), op.peer, op.group, op.tag)
+        if op.op is dist.isend and (op.tensor.is_conj() or op.tensor.is_neg())
+        else op
+        for op in ops
+    ]
+    return dist.batch_isend_irecv(ready) if ready else []
+
+
 def run_p2p(ops: list) -> None:
-    """Post every point-to-point op at once (``batch_isend_irecv``) and wait for all."""
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    """Post every point-to-point op at once and wait for all."""
+    for work in post(ops):
+        work.wait()
 
 
 def move(local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh) -> torch.Tensor:
@@ -136,7 +152,7 @@ def _reduce_scatter_v(local, m, d, sizes, mesh, op) -> torch.Tensor:
         if sizes[k]:
             ops.append(dist.P2POp(dist.isend, piece(local, k).contiguous(), peer))
         if sizes[me[m]]:
-            bufs.append(torch.empty_like(mine))
+            bufs.append(torch.empty(mine.shape, dtype=mine.dtype, device=mine.device))
             ops.append(dist.P2POp(dist.irecv, bufs[-1], peer))
     run_p2p(ops)
     for b in bufs:
@@ -191,7 +207,7 @@ def redistribute_local(
                     sizes[m] = dst.sizes[m]
                     src = src.replace(placements=tuple(places), sizes=tuple(sizes))
                     continue
-                local = local.clone()
+                local = wire(local).clone()
                 dist.all_reduce(local, _REDUCE_OPS[p.reduce_op], group=mesh.get_group(m))
                 src = _as_replicate(src, [m])
         # 2. move boxes between Shard / Replicate placements (a kept Partial moves

@@ -9,7 +9,10 @@ For each op reaching ``ShardTensor.__torch_dispatch__``:
    for ops torch tags ``pointwise``;
 2. torch's decomposition of the op into simpler ones (each routed here again);
 3. the fallback: the op on whole tensors (:mod:`.aten.fallback`), labelled
-   ``auto-redistribute for <op>`` in the tracer.
+   ``whole-tensor fallback for <op>`` in the tracer.
+
+A rule that cannot describe its result for the layout it got moves its input to the
+cheapest layout that works first, labelled ``auto-redistribute for <op>``.
 
 Every step decides from global layouts and shapes only, never from a local shape, so
 every rank takes the same path and posts the same collectives. Nothing here depends on
@@ -43,12 +46,16 @@ _NO_META = {
 def dispatch(func, args, kwargs):
     args, kwargs = c.adopt((args, kwargs))
     meta = None if func in _NO_META else c.meta_call(func, args, kwargs)  # torch's errors
-    return _with_strides(_run(func, args, kwargs), meta, (args, kwargs))
+    out = _with_strides(_run(func, args, kwargs, meta), meta, (args, kwargs))
+    for i in c.written_args(func):  # a write into a view that had to be a copy
+        if i < len(args) and isinstance(args[i], c.shard_tensor_cls()):
+            c.written(args[i])
+    return out
 
 
-def _run(func, args, kwargs):
+def _run(func, args, kwargs, meta):
     handler = HANDLERS.get(func) or HANDLERS.get(func.overloadpacket)
-    if handler is None and is_pointwise(func):
+    if handler is None and is_pointwise(func) and elementwise_shapes(args, kwargs, meta):
         handler = pointwise_rule
     if handler is not None:
         out = handler(func, args, kwargs)
@@ -57,9 +64,31 @@ def _run(func, args, kwargs):
     decomposed = _compat.decomposition(func)
     if decomposed is not None:
         out = decomposed(*args, **kwargs)
-        if out is not NotImplemented:
+        if out is not NotImplemented and _agrees(out, meta):
             return out
+        # a decomposition whose results do not look like the op's (torch's own for the
+        # fused CPU attention returns weights where the op returns a logsumexp): the
+        # shapes are global, so every rank drops it alike
     return replicate_and_run(func, args, kwargs)
+
+
+def _agrees(out, meta) -> bool:
+    """Same structure, shapes and dtypes as the meta run (True when there is none)."""
+    if meta is None:
+        return True
+    if isinstance(meta, torch.Tensor):
+        return (
+            isinstance(out, torch.Tensor)
+            and tuple(out.shape) == tuple(meta.shape)
+            and out.dtype == meta.dtype
+        )
+    if isinstance(meta, (list, tuple)):
+        return (
+            isinstance(out, (list, tuple))
+            and len(out) == len(meta)
+            and all(_agrees(o, m) for o, m in zip(out, meta))
+        )
+    return True
 
 
 def _with_strides(out, meta, inputs):
@@ -73,7 +102,10 @@ def _with_strides(out, meta, inputs):
             return out
         if any(out is a for a in c.shards_in(inputs)):
             return out  # an in-place op returns its input as it is
-        return st._wrap(out._local_tensor, out.device_mesh, out._layout, stride=meta.stride())
+        new = st._wrap(out._local_tensor, out.device_mesh, out._layout, stride=meta.stride())
+        if hasattr(out, "_writeback"):
+            new._writeback = out._writeback
+        return new
     if isinstance(out, (list, tuple)) and isinstance(meta, (list, tuple)) and len(out) == len(meta):
         return c.rebuild(out, [_with_strides(o, m, inputs) for o, m in zip(out, meta)])
     return out
@@ -81,3 +113,18 @@ def _with_strides(out, meta, inputs):
 
 def pointwise_rule(func, args, kwargs):
     return pointwise(func, args, kwargs)
+
+
+def elementwise_shapes(args, kwargs, meta) -> bool:
+    """Is every tensor result the broadcast shape of the inputs? (torch tags ``glu``
+    pointwise, but it halves a dim: blocks of odd length would fail on some ranks.)"""
+    from torch.utils._pytree import tree_leaves
+
+    if meta is None:
+        return True
+    shape = torch.broadcast_shapes(
+        *[tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    )
+    return all(
+        tuple(m.shape) == tuple(shape) for m in tree_leaves(meta) if isinstance(m, torch.Tensor)
+    )

@@ -70,9 +70,9 @@ def reduce_loss(func, args, kwargs):
     """
     if func is F.cross_entropy:
         import shardlab.ops  # noqa: F401  (registers the handlers)
-        from shardlab.ops.registry import HANDLERS
+        from shardlab.ops.registry import call
 
-        return HANDLERS["cross_entropy"](*args, **kwargs)
+        return call("cross_entropy", args, kwargs)
     signature = LOSSES.get(func)
     if signature is None:
         return NotImplemented

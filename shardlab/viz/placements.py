@@ -23,15 +23,15 @@ STACK_POINTS = 6.0  # display offset between stacked copies of a replicated bloc
 
 
 def as_layout(obj=None, *, mesh_shape=None, placements=None, global_shape=None, sizes=None):
-    """A :class:`ShardLayout` from a layout, an object with ``.layout``, a DTensor, a tensor
+    """A :class:`ShardLayout` from a layout, a ShardTensor (its ``.sharding``), a DTensor, a tensor
     plus ``mesh_shape`` and ``placements``, or ``mesh_shape`` + ``placements`` +
     ``global_shape`` (+ ``sizes``)."""
     explicit = mesh_shape is not None or placements is not None or global_shape is not None
-    layout = obj if isinstance(obj, ShardLayout) else getattr(obj, "layout", None)
+    layout = obj if isinstance(obj, ShardLayout) else getattr(obj, "sharding", None)
     if isinstance(layout, ShardLayout):
         if explicit:
             raise TypeError(
-                "give either a layout (or an object with .layout) or mesh_shape/placements/"
+                "give either a layout (or a ShardTensor) or mesh_shape/placements/"
                 "global_shape, not both"
             )
         return layout if sizes is None else layout.with_sizes(sizes)
@@ -42,7 +42,7 @@ def as_layout(obj=None, *, mesh_shape=None, placements=None, global_shape=None, 
         global_shape = tuple(obj.shape)  # a plain tensor with an explicit mesh and placements
     elif obj is not None:
         raise TypeError(
-            f"cannot draw a {type(obj).__name__}: pass a ShardLayout, an object with a .layout, "
+            f"cannot draw a {type(obj).__name__}: pass a ShardLayout, a ShardTensor, "
             "a DTensor, or mesh_shape=, placements= and global_shape="
         )
     if mesh_shape is None or placements is None or global_shape is None:

@@ -141,7 +141,7 @@ def _sweep(mesh_shape, cases, seed):
                     m_arg = distribute(mask, mesh, rows, sizes)
                 with shardlab.trace(mesh=mesh) as t_f:
                     y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m_arg, **kw)
-                assert isinstance(y, shardlab.ShardTensor) and y.layout.sizes == qs.layout.sizes
+                assert isinstance(y, shardlab.ShardTensor) and y.sharding.sizes == qs.sharding.sizes
                 out = y.full_tensor()
             with shardlab.trace(mesh=mesh) as t_b:
                 (out * w).sum().backward()
@@ -231,7 +231,7 @@ def test_causal_skips_blocks_and_head_tail_balances(ranks_for):
             assert torch.allclose(y.full_tensor(), ref, atol=1e-12)
             ours = [x.clone().requires_grad_() for x in (q, k, v)]
             bal = [attention.balance(x, mesh, [Shard(2)]) for x in ours]
-            assert list(bal[0].layout.sizes_along(2)) == attention.head_tail_sizes(16, n)
+            assert list(bal[0].sharding.sizes_along(2)) == attention.head_tail_sizes(16, n)
             with attention.head_tail():
                 y, balanced = _count_blocks(
                     lambda: F.scaled_dot_product_attention(*bal, is_causal=True)

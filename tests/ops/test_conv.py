@@ -181,7 +181,7 @@ def test_named_cases_and_exact_bytes(ranks_for, case):
         back = t.filter(label="conv1d.halo backward")
         return (
             torch.allclose(y.full_tensor(), ref, atol=1e-12),
-            list(y.layout.sizes_along(2)) == list(plan.out_sizes),
+            list(y.sharding.sizes_along(2)) == list(plan.out_sizes),
             halo.bytes(kind="recv") == plan.rows_received(me) * row,
             halo.bytes(kind="send") == plan.bytes_per_element_sent(me) * row,
             back.bytes(kind="send") == plan.rows_received(me) * row,

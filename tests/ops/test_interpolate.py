@@ -109,7 +109,9 @@ def test_x2_doubles_shards_and_exact_rows(ranks_for):
                 with shardlab.trace() as t:
                     y = F.interpolate(st, scale_factor=2, mode=mode)
                 ok = torch.allclose(y.full_tensor(), F.interpolate(g, scale_factor=2, mode=mode))
-                out.append((ok, list(y.layout.sizes_along(2)), t.bytes(kind="recv") // (2 * 3 * 8)))
+                out.append(
+                    (ok, list(y.sharding.sizes_along(2)), t.bytes(kind="recv") // (2 * 3 * 8))
+                )
         return out
 
     got = ranks_for(4).run(body)

@@ -77,7 +77,7 @@ def _run(mesh_shape, placements, sizes):
                     y = model(st)
             out = y.full_tensor()
             (out * w_out).sum().backward()
-            ok &= list(y.layout.sizes_along(2)) == list(st.layout.sizes_along(2))
+            ok &= list(y.sharding.sizes_along(2)) == list(st.sharding.sizes_along(2))
             ok &= torch.allclose(out, ref, atol=1e-10)
             ok &= torch.allclose(x.grad, xr.grad, atol=1e-10)
             for p, q in zip(model.parameters(), ref_model.parameters()):

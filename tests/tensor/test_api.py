@@ -78,10 +78,10 @@ def _sweep(mesh_shape, cases, seed):
                 st = ShardTensor.from_local(local, mesh, src_p, _user_sizes(src), shape=shape)
             else:  # sizes gathered from the local shapes
                 st = ShardTensor.from_local(local, mesh, src_p, shape=shape)
-            assert st.layout == src, (st.layout, src)
+            assert st.sharding == src, (st.sharding, src)
             assert tuple(st.shape) == tuple(shape)
             out = st.redistribute(mesh, dst_p, sizes=dst_sizes)
-            assert out.layout == dst
+            assert out.sharding == dst
             want_local = block(g, dst, coord)
             if not any(isinstance(p, Partial) for p in dst_p):
                 assert torch.allclose(out.to_local(), want_local), (src, dst)
@@ -209,7 +209,7 @@ def test_scatter_tensor_each_rank_receives_only_its_shard(ranks_for, world):
             x = g.clone().requires_grad_() if me == src else None
             with shardlab.trace() as t:
                 st = scatter_tensor(x, src, mesh, [Shard(0)], sizes=sizes)
-            layout = st.layout
+            layout = st.sharding
             assert torch.equal(st.to_local(), block(g, layout, (me,)))
             data = t.filter(label="scatter_tensor", kind=("send", "recv"))
             mine = layout.numel((me,)) * 8
@@ -239,7 +239,7 @@ def test_distribute_needs_no_communication(ranks_for, world):
         with shardlab.trace() as t:
             st = distribute(g, mesh, [Shard(1)], sizes=sizes)
         assert len(t) == 0
-        assert torch.equal(st.to_local(), block(g.detach(), st.layout, (dist.get_rank(),)))
+        assert torch.equal(st.to_local(), block(g.detach(), st.sharding, (dist.get_rank(),)))
         (st * st).sum().full_tensor().backward()
         return torch.allclose(g.grad, 2 * g.detach())
 

@@ -127,7 +127,7 @@ def test_views_merging_uneven_sharded_dims_move_nothing(ranks_for):
             strided = st.t().reshape(28)
         return (
             t.counts(),
-            flat.layout.sizes_along(0),
+            flat.sharding.sizes_along(0),
             torch.equal(flat.full_tensor(), g.view(28)),
             torch.equal(strided.full_tensor(), g.t().reshape(28)),
         )
@@ -152,7 +152,7 @@ def test_cat_of_uneven_shards(ranks_for):
         down = torch.cat([st, 3 * st], 0)
         return (
             ok,
-            down.layout.sizes_along(0),
+            down.sharding.sizes_along(0),
             torch.equal(down.full_tensor(), torch.cat([g, 3 * g])),
         )
 
@@ -199,7 +199,7 @@ def test_nn_modules_unchanged_on_uneven_sequence_shards(ranks_for, world):
             out = model(st)
             assert isinstance(out, ShardTensor)
             if t >= world:  # (DTensor replicates dims shorter than the mesh; still exact)
-                assert out.layout.sizes == st.layout.sizes
+                assert out.sharding.sizes == st.sharding.sizes
             out.square().sum().full_tensor().backward()
             assert torch.allclose(x.grad, x_ref.grad, atol=1e-12)
             for p, r in zip(model.parameters(), ref):
@@ -239,7 +239,7 @@ def test_inputs_with_different_uneven_sizes_are_aligned(ranks_for):
         sa = distribute(a, mesh, [Shard(2)], [[4, 0, 5]])
         sb = distribute(b, mesh, [Shard(2)], [[3, 3, 3]])
         c, d = torch.cat([sa, sb], 1), sa + sb[:, :3]
-        assert c.layout.sizes == sb.layout.sizes  # the smaller input moves
+        assert c.sharding.sizes == sb.sharding.sizes  # the smaller input moves
         (c.sum() + d.square().sum()).full_tensor().backward()
         ra, rb = (t.detach().clone().requires_grad_() for t in (a, b))
         cr, dr = torch.cat([ra, rb], 1), ra + rb[:, :3]

@@ -1,4 +1,5 @@
-"""Norms of ShardTensors equal single-device torch, forward and backward.
+"""Norms of ShardTensors (through shardlab's reductions) equal single-device torch,
+forward and backward.
 
 ``torch.norm``, ``Tensor.norm``, ``torch.linalg.norm`` / ``vector_norm`` / ``matrix_norm``
 over random dims (sharded or not), every ``ord`` torch has for vectors, uneven sizes with
@@ -92,16 +93,28 @@ def test_norms_on_a_2d_mesh(ranks_for):
     assert set(got[0]) >= {"vector_norm", "linalg.norm", "torch.norm", "Tensor.norm", "matrix_norm"}
 
 
-def test_unsupported_matrix_norm_names_what_is_supported(ranks_for):
-    def body():
-        st = distribute(torch.randn(4, 3), this_rank().mesh, [Shard(0)])
-        for call in (
-            lambda: torch.linalg.matrix_norm(st, "nuc"),
-            lambda: torch.norm(st, "nuc"),
-            lambda: torch.linalg.norm(st, 2, dim=(0, 1)),
-        ):
-            with pytest.raises(NotImplementedError, match="full_tensor"):
-                call()
-        return True
+def test_matrix_norms_and_zero_subgradients(ranks_for):
+    """Norms torch computes by SVD (nuclear, spectral) run on the whole tensor (labelled
+    in the tracer); at zero the 2-norm's gradient is torch's subgradient 0, not nan."""
 
-    assert ranks_for(2).run(body) == [True, True]
+    def body():
+        import shardlab
+
+        g = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        st = distribute(g, this_rank().mesh, [Shard(0)], [3, 0, 2])
+        ok = []
+        with shardlab.trace() as t:
+            for fn in (
+                lambda x: torch.linalg.matrix_norm(x, "nuc"),
+                lambda x: torch.norm(x, "nuc"),
+                lambda x: torch.linalg.norm(x, 2, dim=(0, 1)),
+            ):
+                ok.append(torch.allclose(fn(st).full_tensor(), fn(g)))
+        z = torch.zeros(5, 3, dtype=torch.float64, requires_grad=True)
+        torch.linalg.vector_norm(
+            distribute(z, this_rank().mesh, [Shard(0)], [3, 0, 2])
+        ).sum().full_tensor().backward()
+        ok.append(torch.equal(z.grad, torch.zeros_like(z)))
+        return ok, any("whole-tensor fallback" in e.label for e in t.events)
+
+    assert ranks_for(3).run(body) == [([True] * 4, True)] * 3

@@ -170,9 +170,9 @@ def test_dim_sharded_twice():
     render(one_d)
 
 
-def test_inputs_layout_attribute_dtensor_and_tensor(tmp_path):
+def test_inputs_sharding_attribute_dtensor_and_tensor(tmp_path):
     layout = ShardLayout.build((6, 4), (2,), [Shard(1)], [1, 3])
-    assert as_layout(SimpleNamespace(layout=layout)) is layout
+    assert as_layout(SimpleNamespace(sharding=layout)) is layout
     fake = SimpleNamespace(
         device_mesh=SimpleNamespace(shape=(2, 2)), placements=(Shard(0), Replicate()),
         shape=torch.Size([6, 4]), layout=torch.strided,
@@ -180,7 +180,7 @@ def test_inputs_layout_attribute_dtensor_and_tensor(tmp_path):
     assert as_layout(fake) == ShardLayout.build((6, 4), (2, 2), [Shard(0), Replicate()])
     got = as_layout(torch.zeros(6, 4), mesh_shape=(2,), placements=[Shard(0)], sizes=[5, 1])
     assert got.sizes_along(0) == (5, 1)
-    fig = plot_placements(SimpleNamespace(layout=layout), ax=None, title="mine")
+    fig = plot_placements(SimpleNamespace(sharding=layout), ax=None, title="mine")
     assert fig.axes[0].get_title() == "mine"
     assert [b[2] for b in fig.shardlab_blocks] == [(0, 1), (1, 4)]
     fig.savefig(tmp_path / "x.png")

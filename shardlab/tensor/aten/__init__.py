@@ -2,6 +2,7 @@
 in :mod:`.registry`); :mod:`shardlab.tensor.dispatch` routes every op through them."""
 
 from . import (  # noqa: F401  (each module registers its rules)
+    attention,
     dim_ops,
     matmul,
     reductions,

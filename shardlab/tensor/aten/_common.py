@@ -185,10 +185,47 @@ class _NoMeta(Exception):
     pass
 
 
+_META_CACHE: dict = {}
+_META_CACHE_SIZE = 4096
+
+
+def _key(x):
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_key(v) for v in x))
+    if isinstance(x, dict):
+        return ("D", *((k, _key(v)) for k, v in sorted(x.items())))
+    if isinstance(x, float) and x != x:
+        return ("nan",)
+    hash(x)  # anything unhashable: no caching
+    return (type(x).__name__, x)
+
+
 def meta_call(func, args, kwargs):
     """``func`` on shape-only copies of the global tensors: torch's own argument errors,
     raised alike on every rank, and the global output shapes. None when torch has no
-    meta kernel for it (or the output size depends on the data)."""
+    meta kernel for it (or the output size depends on the data). Cached by the
+    arguments' shapes, strides and dtypes (a training step repeats them)."""
+    try:
+        key = (func, _key(args), _key(kwargs))
+    except TypeError:
+        return _meta_call(func, args, kwargs)
+    hit = _META_CACHE.get(key)
+    if hit is None:
+        try:
+            hit = ("ok", _meta_call(func, args, kwargs))
+        except Exception as exc:  # torch's own error: the same for the same arguments
+            hit = ("error", exc)
+        if len(_META_CACHE) >= _META_CACHE_SIZE:
+            _META_CACHE.clear()
+        _META_CACHE[key] = hit
+    if hit[0] == "error":
+        raise hit[1]
+    return hit[1]
+
+
+def _meta_call(func, args, kwargs):
     margs, mkwargs = tree_map(meta_of, (args, kwargs))
     try:
         return func(*margs, **mkwargs)
@@ -198,7 +235,15 @@ def meta_call(func, args, kwargs):
         text = str(exc)
         if "meta" in text.lower() and ("not implemented" in text or "backend" in text.lower()):
             return None
-        if "data-dependent" in text or "Cannot copy out of meta" in text:
+        if any(
+            w in text
+            for w in (
+                "data-dependent",
+                "Cannot copy out of meta",
+                "cannot be called on meta tensors",
+                "do not have strides",
+            )
+        ):
             return None
         raise
 
@@ -210,3 +255,41 @@ def rebuild(like, items: list):
     if hasattr(type(like), "_fields"):  # namedtuple (torch.return_types in newer releases)
         return type(like)(*items)
     return type(like)(items)
+
+
+# -- views that had to be copies ----------------------------------------------------
+# A view on one device aliases its base: ``x[:, 0].mul_(2)`` changes ``x``. A ShardTensor
+# view aliases its base's local block whenever no data had to move. When a rule did move
+# data (a copy), the result carries a write-back: after any op writes it, the write-back
+# carries the new values home (and on up, if the base is itself such a view).
+def with_writeback(y, writeback):
+    y._writeback = writeback
+    return y
+
+
+def written(x) -> None:
+    """``x`` was just written by an op: update what it is a (copied) view of."""
+    wb = getattr(x, "_writeback", None)
+    if wb is not None:
+        wb()
+
+
+def moved_view(y, base, moved):
+    """``y`` views ``moved``, ``base`` moved to another layout (a copy)."""
+
+    def writeback():
+        back = move(moved, base._layout, "write back")
+        base._local_tensor.copy_(back._local_tensor)
+        written(base)
+
+    return with_writeback(y, writeback)
+
+
+def copied_local(y, base):
+    """``y``'s block is a reshaped copy of ``base``'s block."""
+
+    def writeback():
+        base._local_tensor.copy_(y._local_tensor.reshape(base._local_tensor.shape))
+        written(base)
+
+    return with_writeback(y, writeback)

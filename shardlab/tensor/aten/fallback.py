@@ -1,7 +1,7 @@
 """The last resort for an op no rule and no decomposition covers: compute it whole.
 
 1. every ShardTensor argument is gathered whole on every rank (Partial values reduced),
-   labelled ``auto-redistribute for <op>`` in the tracer;
+   labelled ``whole-tensor fallback for <op>`` in the tracer;
 2. the op runs on the whole tensors, the same on every rank (random ops too: every rank
    draws the same numbers when the ranks' generators agree, as after ``manual_seed``);
 3. results come back Replicate, except that a result shaped like the first sharded input
@@ -27,13 +27,13 @@ def replicate_and_run(func, args, kwargs):
     st = c.shard_tensor_cls()
     shards = c.shards_in((args, kwargs))
     mesh = c.the_mesh(shards)
-    cause = f"auto-redistribute for {c.op_name(func)}"
+    cause = f"whole-tensor fallback for {c.op_name(func)}"
     whole: dict[int, object] = {}
 
     def gather(a):
         if isinstance(a, st):
             if id(a) not in whole:
-                whole[id(a)] = c.replicated(a, cause)._local_tensor
+                whole[id(a)] = _with_global_strides(c.replicated(a, cause)._local_tensor, a)
             return whole[id(a)]
         return a
 
@@ -48,6 +48,7 @@ def replicate_and_run(func, args, kwargs):
             for i, a in enumerate(local_args)
         ]
     result = func(*local_args, **local_kwargs)
+    _check_dense(func, result)  # decided from the whole result: the same on every rank
     for i in written:
         target = args[i] if i < len(args) else None
         if isinstance(target, st):
@@ -55,7 +56,41 @@ def replicate_and_run(func, args, kwargs):
     if written and c.is_inplace(func) and isinstance(args[0], st):
         return args[0]
     first = shards[0]
+    if _returns_view(func) and isinstance(args[0], st) and isinstance(result, torch.Tensor):
+        # a view of the gathered copy: kept whole, and written back into the input
+        out = c.wrap(result, mesh, c.replicate_layout(result.shape, mesh))
+        base, full = args[0], local_args[0]
+        return c.with_writeback(out, lambda: (_write_back(base, full), c.written(base)))
     return _rewrap(result, mesh, first, local_args, written, args)
+
+
+def _returns_view(func) -> bool:
+    returns = func._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None and not c.written_args(func)
+
+
+def _with_global_strides(full: torch.Tensor, x) -> torch.Tensor:
+    """The gathered tensor laid out with ``x``'s global strides: ops that address memory
+    (``as_strided``, which torch's decompositions of ``diagonal`` ... emit) then read
+    what they would read on one device."""
+    if full.stride() == x.stride() or full.numel() == 0:
+        return full
+    try:
+        out = torch.empty_strided(tuple(x.shape), x.stride(), dtype=full.dtype)
+    except RuntimeError:
+        return full
+    return out.copy_(full)
+
+
+def _check_dense(func, result) -> None:
+    from torch.utils._pytree import tree_leaves
+
+    for r in tree_leaves(result):
+        if isinstance(r, torch.Tensor) and r.layout != torch.strided:
+            raise NotImplementedError(
+                f"{c.op_name(func)} on a ShardTensor: its result is a {r.layout} tensor; "
+                "shardlab holds dense (torch.strided) tensors only. Call it on .full_tensor()."
+            )
 
 
 def _write_back(x, full: torch.Tensor) -> None:
@@ -78,10 +113,9 @@ def _write_back(x, full: torch.Tensor) -> None:
 
 
 def _rewrap(result, mesh, first, local_args, written, args):
-    st = c.shard_tensor_cls()
     if isinstance(result, torch.Tensor):
-        for i in written:  # an op returning its out= argument returns that ShardTensor
-            if i < len(args) and result is local_args[i] and isinstance(args[i], st):
+        for i in written:  # an op returning its (out=) argument returns that argument
+            if i < len(args) and result is local_args[i]:
                 return args[i]
         out = c.wrap(result, mesh, c.replicate_layout(result.shape, mesh))
         lay = c.without_partial(first._layout)

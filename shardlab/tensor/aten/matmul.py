@@ -28,7 +28,7 @@ def _mm(func, args, kwargs):
     mesh = c.the_mesh(c.shards_in((a, b)))
     a = a if isinstance(a, st) else c.as_shard(a, mesh)
     b = b if isinstance(b, st) else c.as_shard(b, mesh)
-    options = mm_strategies(a._layout, b._layout, batched=func is aten.bmm.default)
+    options = mm_strategies(a._layout, b._layout, func is aten.bmm.default)
     ta, tb, out = min(
         options, key=lambda o: move_cost(a._layout, o[0]) + move_cost(b._layout, o[1])
     )

@@ -35,12 +35,12 @@ _UNTAGGED = {
     aten.nan_to_num, aten.positive, aten.logical_not, aten.logical_and, aten.logical_or,
     aten.logical_xor, aten.clamp, aten.clamp_min, aten.clamp_max, aten.lerp, aten.addcmul,
     aten.addcdiv, aten.bitwise_not, aten.relu, aten.relu_, aten.sign, aten.isfinite,
-    aten.lift_fresh_copy, aten.log_sigmoid_backward, aten.glu_backward, aten.to,
+    aten.lift_fresh_copy, aten.log_sigmoid_backward, aten.to,
     aten._conj, aten.conj, aten.resolve_conj, aten.resolve_neg,
 }  # fmt: skip
-_LINEAR_UNARY = {aten.neg, aten.neg_, aten.clone, aten.detach, aten.alias, aten.positive,
-                 aten.lift_fresh, aten._to_copy, aten.to, aten.conj, aten._conj,
-                 aten.resolve_conj, aten.resolve_neg}  # fmt: skip
+_IDENTITY = {aten.clone, aten.detach, aten.alias, aten.positive, aten.lift_fresh,
+             aten._to_copy, aten.to, aten.conj, aten._conj, aten.resolve_conj}  # fmt: skip
+_NEGATION = {aten.neg, aten.neg_, aten.resolve_neg}
 _ADDITIVE = {aten.add, aten.add_, aten.sub, aten.sub_}
 _SCALING = {aten.mul, aten.mul_, aten.div, aten.div_}
 _RANDOM = torch.Tag.nondeterministic_seeded
@@ -59,31 +59,31 @@ def _tensors(args, kwargs) -> list:
 
 
 def keeps_partial(func, args, kwargs, m: int) -> bool:
-    """May the result stay Partial(sum) on mesh dim ``m``?"""
+    """May the result stay Partial on mesh dim ``m``? Identity-like ops keep any Partial
+    (sum, max, min); sums pass through the ops that are linear in them."""
     st = c.shard_tensor_cls()
     ts = _tensors(args, kwargs)
-    is_p = [isinstance(t, st) and t._layout.placements[m] == Partial() for t in ts]
-    if not any(is_p):
+    kinds = [t._layout.placements[m] if isinstance(t, st) else None for t in ts]
+    partial = [isinstance(k, Partial) for k in kinds]
+    if not any(partial):
         return False
     pk = func.overloadpacket
-    if pk in _LINEAR_UNARY and len(ts) == 1:
+    if pk in _IDENTITY and len(ts) == 1:
         if pk in (aten._to_copy, aten.to):
             dtype = kwargs.get("dtype") or next(
                 (a for a in args[1:] if isinstance(a, torch.dtype)), None
             )
             return dtype is None or dtype.is_floating_point or dtype.is_complex
         return True
+    is_sum = [k == Partial() for k in kinds]
+    if pk in _NEGATION and len(ts) == 1:
+        return is_sum[0]
     if pk in _ADDITIVE:
-        return all(is_p) and len(ts) == 2
+        return all(is_sum) and len(ts) == 2
     if pk in _SCALING:
-        if sum(is_p) != 1:
+        if sum(partial) != 1 or sum(is_sum) != 1:
             return False
-        if pk in (aten.div, aten.div_) and not is_p[0]:
-            return False
-        return not any(
-            isinstance(t, st) and isinstance(t._layout.placements[m], Partial) and not p
-            for t, p in zip(ts, is_p)
-        )
+        return not (pk in (aten.div, aten.div_) and not is_sum[0])
     return False
 
 
@@ -109,10 +109,7 @@ def pointwise(func, args, kwargs, meta_out=None):
     if inplace:
         self = args[0]
         if not isinstance(self, st):
-            raise NotImplementedError(
-                f"{c.op_name(func)}: writing ShardTensors into a plain tensor is not supported; "
-                "call .full_tensor() on the ShardTensor arguments first"
-            )
+            return NotImplemented  # a plain tensor written: the whole-tensor fallback
         for m, p in enumerate(self._layout.placements):
             if isinstance(p, Partial) and not keep[m]:
                 _reduce_in_place(self, m, cause)

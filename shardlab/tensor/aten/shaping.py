@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout, chunk_sizes, moves
 from shardlab.layout.elementwise import restrict
+from shardlab.layout.views import select_dims_layout
 
 from . import _common as c
 from .registry import register
@@ -75,10 +76,12 @@ def _cat(func, args, kwargs):
         sizes = tuple(
             max(0, min(b1, base + n) - max(b0, base)) for b0, b1 in zip(bounds, bounds[1:])
         )
-        want = restrict(lay, t.shape, [False] * mesh.ndim)
-        entry = list(want.sizes)
+        shape = list(lay.global_shape)
+        shape[dim] = n
+        entry = list(lay.sizes)
         entry[m] = (sizes,)
-        want = want.replace(sizes=tuple(entry))
+        template = lay.replace(global_shape=tuple(shape), sizes=tuple(entry))
+        want = restrict(template, t.shape, [False] * mesh.ndim)
         locs.append(c.move(t, want, cause)._local_tensor)
         base += n
     out_entry = list(lay.sizes)
@@ -306,11 +309,8 @@ def _embedding_backward(func, args, kwargs):
     lead = list(range(indices.ndim))
     if any(isinstance(p, Shard) and p.dim == indices.ndim for p in grad._layout.placements):
         return NotImplemented
-    indices = c.move(
-        indices,
-        restrict(grad._layout, indices.shape, [False] * mesh.ndim),
-        "embedding_backward.align",
-    )
+    tokens = select_dims_layout(grad._layout, lead)  # the (B, S) of grad's (B, S, D)
+    indices = c.move(indices, tokens, "embedding_backward.align")
     y = func(grad._local_tensor, indices._local_tensor, *args[2:], **kwargs)
     places = [
         Partial() if isinstance(p, Shard) and p.dim in lead else Replicate()

@@ -40,7 +40,7 @@ def _resolve(shape, numel: int) -> list[int]:
 
 
 def _unblocked(x, rule, what: str, tries: int = 4):
-    """``(x, rule(x.layout))``, moving ``x`` to the cheapest layout that lifts a block."""
+    """``(x, rule(x.sharding))``, moving ``x`` to the cheapest layout that lifts a block."""
     for _ in range(tries):
         try:
             return x, rule(x._layout)
@@ -51,16 +51,25 @@ def _unblocked(x, rule, what: str, tries: int = 4):
 
 
 def view_to(x, shape, what: str = "view", copy: bool = False):
-    """``x`` viewed as ``shape`` (a ShardTensor), moving it first only if it must."""
+    """``x`` viewed as ``shape`` (a ShardTensor), moving it first only if it must. If it
+    had to (or the block was not viewable), the result writes back into ``x``."""
     shape = _resolve(shape, x.numel())
+    base = x
     x, out = _unblocked(x, lambda lay: view_layout(lay, shape), what)
     local_shape = out.local_shape(c.me(x.device_mesh))
     local = x._local_tensor
     try:
-        y = local.view(local_shape) if not copy else local.reshape(local_shape)
+        y = c.wrap(
+            local.view(local_shape) if not copy else local.reshape(local_shape), x.device_mesh, out
+        )
+        viewed = not copy
     except RuntimeError:  # a non-viewable local block (a strided local tensor): copy
-        y = local.reshape(local_shape)
-    return c.wrap(y, x.device_mesh, out)
+        y, viewed = c.wrap(local.reshape(local_shape), x.device_mesh, out), False
+        if x is base:
+            return c.copied_local(y, base)
+    if x is not base and not copy:
+        return c.moved_view(y, base, x) if viewed else y
+    return y
 
 
 @register(
@@ -155,6 +164,7 @@ def slice_of(x, dim: int, start, end, step: int = 1):
             raise Blocked(cut, 0, f"slicing strided dim {dim}")
         return slice_layout(lay, dim, start, end, step)
 
+    base = x
     try:
         out = rule(x._layout)
     except Blocked:
@@ -174,7 +184,8 @@ def slice_of(x, dim: int, start, end, step: int = 1):
         )
     else:
         y = local[(slice(None),) * dim + (slice(start, end, step),)]
-    return c.wrap(y, x.device_mesh, out)
+    y = c.wrap(y, x.device_mesh, out)
+    return c.moved_view(y, base, x) if x is not base else y
 
 
 @register(aten.slice.Tensor, aten.slice_copy.Tensor)

@@ -1,0 +1,72 @@
+"""What a sharded ``torch.nn.functional`` implementation receives, whoever made its input.
+
+:func:`prepare` turns the arguments of a patched call into what every handler in
+:mod:`shardlab.ops` expects, differentiably:
+
+* a plain DTensor (from ``distribute_tensor``, ``parallelize_module``) becomes a
+  ShardTensor with DTensor's own chunk sizes; its gradient goes back as a DTensor with
+  the original placements (Partial read as Replicate), so torch's own ops keep working;
+* a ``Partial`` value is reduced first (one all-reduce), as DTensor would;
+* a strided dim (a view merged a cut dim under another) is made consecutive again
+  (point-to-point moves of the rows that change owner).
+
+Each step is labelled in the tracer (``prepare <op>``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils._pytree import tree_map
+
+from shardlab.layout import ShardLayout, moves
+
+__all__ = ["prepare"]
+
+
+class _FromDTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, layout):
+        from shardlab.tensor.api import ShardTensor
+
+        ctx.mesh, ctx.layout, ctx.placements = dt.device_mesh, layout, dt.placements
+        ctx.shape, ctx.stride = dt.shape, dt.stride()
+        return ShardTensor._wrap(dt._local_tensor, dt.device_mesh, layout, stride=dt.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        from shardlab.tensor.api import _grad_layout, _local_of
+
+        local = _local_of(grad, _grad_layout(ctx.layout), ctx.mesh)
+        places = [Replicate() if isinstance(p, Partial) else p for p in ctx.placements]
+        return DTensor.from_local(
+            local, ctx.mesh, places, run_check=False, shape=ctx.shape, stride=ctx.stride
+        ), None
+
+
+def _block_and_whole(layout: ShardLayout) -> ShardLayout:
+    """``layout`` with Partial mesh dims Replicate and every strided dim consecutive."""
+    places = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
+    out = layout.replace(placements=places)
+    for d in out.strided_dims():
+        out = moves.as_block(out, d)
+    return out
+
+
+def prepare(args, kwargs, name: str):
+    """The arguments of ``F.<name>`` as the sharded handlers expect them (see module)."""
+    from shardlab.tensor.api import ShardTensor, _Redistribute
+    from shardlab.tensor.aten._common import layout_of_dtensor
+    from shardlab.trace import label
+
+    def conv(a):
+        if isinstance(a, DTensor) and not isinstance(a, ShardTensor):
+            a = _FromDTensor.apply(a, layout_of_dtensor(a))
+        if isinstance(a, ShardTensor):
+            want = _block_and_whole(a._layout)
+            if want != a._layout:
+                with label(f"prepare {name}"):
+                    a = _Redistribute.apply(a, want)
+        return a
+
+    return tree_map(conv, tuple(args)), tree_map(conv, dict(kwargs))

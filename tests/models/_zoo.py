@@ -1,0 +1,133 @@
+"""Models nobody here wrote: ``transformers`` configs, small, random weights, nothing
+downloaded. Shared by the zoo tests and ``benchmarks/bench_zoo.py``."""
+
+from __future__ import annotations
+
+import torch
+
+IMAGE = (2, 3, 32, 32)  # pixel values (B, C, H, W); H is cut over the ranks
+TOKENS = (2, 13)  # input ids (B, S); S is cut over the ranks
+VOCAB = 64
+
+
+def _no_randomness(model):
+    """Dropout and stochastic depth off (random draws differ between the one-device run
+    and the sharded one); the model stays in training mode (batch norm statistics)."""
+    for k, v in vars(model.config).items():
+        if ("dropout" in k or "drop_path" in k) and isinstance(v, float):
+            setattr(model.config, k, 0.0)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if hasattr(m, "drop_prob") and isinstance(m.drop_prob, float):
+            m.drop_prob = 0.0
+    return model
+
+
+def vision(name: str):
+    """``(model, kind)``: kind "cls" (labels (B,)) or "seg" (labels (B, H, W))."""
+    model, kind = _vision(name)
+    return _no_randomness(model), kind
+
+
+def _vision(name: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "resnet":
+        cfg = tf.ResNetConfig(
+            embedding_size=8,
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            layer_type="basic",
+            num_labels=5,
+        )
+        return tf.ResNetForImageClassification(cfg), "cls"
+    if name == "convnext":
+        cfg = tf.ConvNextConfig(
+            num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], patch_size=2, num_labels=5
+        )
+        return tf.ConvNextForImageClassification(cfg), "cls"
+    if name == "vit":
+        cfg = tf.ViTConfig(
+            image_size=32,
+            patch_size=4,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=5,
+        )
+        return tf.ViTForImageClassification(cfg), "cls"
+    if name == "swin":
+        cfg = tf.SwinConfig(
+            image_size=32,
+            patch_size=2,
+            embed_dim=8,
+            depths=[1, 1],
+            num_heads=[2, 2],
+            window_size=4,
+            num_labels=5,
+        )
+        return tf.SwinForImageClassification(cfg), "cls"
+    if name == "segformer":
+        cfg = tf.SegformerConfig(
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            sr_ratios=[2, 1],
+            hidden_sizes=[8, 16],
+            patch_sizes=[3, 3],
+            strides=[2, 2],
+            num_attention_heads=[1, 2],
+            mlp_ratios=[2, 2],
+            decoder_hidden_size=16,
+            num_labels=3,
+        )
+        return tf.SegformerForSemanticSegmentation(cfg), "seg"
+    if name == "mobilevit":
+        cfg = tf.MobileViTConfig(
+            image_size=32,
+            patch_size=2,
+            hidden_sizes=[16, 16, 16],
+            neck_hidden_sizes=[8, 8, 8, 8, 8, 8, 16],
+            num_attention_heads=2,
+            num_labels=5,
+        )
+        return tf.MobileViTForImageClassification(cfg), "cls"
+    raise KeyError(name)
+
+
+def decoder(name: str):
+    """A causal LM (RoPE, GQA, RMSNorm, SDPA attention)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config, model = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    }[name]
+    cfg = config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    cfg._attn_implementation = "sdpa"
+    return _no_randomness(model(cfg))
+
+
+VISION = ["resnet", "convnext", "vit", "swin", "segformer", "mobilevit"]
+DECODERS = ["llama", "qwen2"]
+
+
+def uneven(n: int, parts: int) -> list[int]:
+    """Uneven sizes summing to n: a big first block, then alternating short/long."""
+    base = [max(0, n // parts + (3 if i == 0 else -2 if i % 2 else 1)) for i in range(parts)]
+    base[-1] += n - sum(base)
+    if base[-1] < 0:
+        base = [n // parts] * parts
+        base[-1] += n - sum(base)
+    return base

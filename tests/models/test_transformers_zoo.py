@@ -1,0 +1,122 @@
+"""Models from a library nobody here wrote run sharded, unchanged, and equal one device.
+
+``transformers`` vision models take pixel values cut along H with uneven sizes;
+decoders take input ids and labels cut along the sequence. float64 throughout: logits,
+loss, the input gradient and every parameter gradient are compared with one device.
+(The decoders' own loss upcasts the logits to float32 -- ``logits.float()`` inside
+transformers -- so their loss and gradients are compared at float32 tolerance, and the
+same loss is also computed in float64 from the sharded logits, tightly.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+from tests.models import _zoo
+
+pytest.importorskip("transformers")
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _vision_body(name: str):
+    def body():
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        model, kind = _zoo.vision(name)
+        model = model.double()
+        g = torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        b, _, h, w = _zoo.IMAGE
+        labels = torch.randint(0, 3, (b, h, w)) if kind == "seg" else torch.tensor([1] * b)
+        xr = g.clone().requires_grad_()
+        ref = model(pixel_values=xr, labels=labels)
+        ref.loss.backward()
+        want = _grads(model)
+        model.zero_grad(set_to_none=True)
+
+        x = g.clone().requires_grad_()
+        sizes = _zoo.uneven(h, mesh.size())
+        with shardlab.patched(), shardlab.trace() as t:
+            out = model(pixel_values=distribute(x, mesh, [Shard(2)], sizes), labels=labels)
+            out.loss.backward()
+        got = _grads(model)
+        logits = out.logits.full_tensor()
+        return {
+            "logits": torch.allclose(logits, ref.logits, rtol=1e-10, atol=1e-12),
+            "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-10, atol=1e-12),
+            "input grad": torch.allclose(x.grad, xr.grad, rtol=1e-10, atol=1e-12),
+            "params": sorted(
+                n
+                for n, v in want.items()
+                if type(got.get(n)) is not torch.Tensor
+                or not torch.allclose(got[n], v, rtol=1e-9, atol=1e-12)
+            ),
+            "fallbacks": sorted({e.label for e in t.events if "whole-tensor" in e.label}),
+        }
+
+    return body
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("name", _zoo.VISION)
+def test_vision_models_sharded_along_h_equal_one_device(ranks_for, name, world):
+    for res in ranks_for(world).run(_vision_body(name)):
+        assert res["logits"] and res["loss"] and res["input grad"], res
+        assert res["params"] == [], res
+        # whole-tensor fallbacks would be exact too, but these models need none
+        assert res["fallbacks"] == [], res
+
+
+def _decoder_body(name: str):
+    def body():
+        import torch.nn.functional as F
+
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        model = _zoo.decoder(name).double()
+        ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(3))
+        ref = model(input_ids=ids, labels=ids)
+        ref.loss.backward()
+        want = _grads(model)
+        model.zero_grad(set_to_none=True)
+
+        sizes = _zoo.uneven(_zoo.TOKENS[1], mesh.size())
+        with shardlab.patched():
+            sid = distribute(ids, mesh, [Shard(1)], sizes)
+            out = model(input_ids=sid, labels=sid)  # the label shift crosses shards
+            out.loss.backward()
+            # the same loss in float64, from the sharded logits: exact
+            lg = out.logits.detach()
+            exact = F.cross_entropy(lg[:, :-1].flatten(0, 1), sid[:, 1:].flatten()).full_tensor()
+        ref64 = F.cross_entropy(ref.logits[:, :-1].flatten(0, 1).detach(), ids[:, 1:].flatten())
+        got = _grads(model)
+        return {
+            "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=1e-10, atol=1e-12),
+            "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-6),
+            "float64 loss": torch.allclose(exact, ref64, rtol=1e-12),
+            "params": sorted(
+                n
+                for n, v in want.items()
+                if type(got.get(n)) is not torch.Tensor
+                or not torch.allclose(got[n], v, rtol=1e-5, atol=1e-7)
+            ),
+            "sequence": out.logits.sharding.placements == (Shard(1),),
+        }
+
+    return body
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("name", _zoo.DECODERS)
+def test_decoders_sharded_along_the_sequence_with_labels(ranks_for, name, world):
+    for res in ranks_for(world).run(_decoder_body(name)):
+        assert res["logits"] and res["loss"] and res["float64 loss"], res
+        assert res["params"] == [] and res["sequence"], res

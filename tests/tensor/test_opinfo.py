@@ -1,0 +1,218 @@
+"""torch's own operator database as a sweep: every op equals torch or raises on every rank.
+
+Each op of ``op_db`` with a float64 sample whose input can be cut along the swept dim
+(dim 0, then the last dim) runs on a ShardTensor with uneven sizes (zeros included) on 3
+and 4 ranks; sample arguments of the input's shape are cut too, with other sizes (so the
+alignment moves run). The result, gathered, must equal the same call on one device
+(float64, 1e-7), and so must the gradient of the input (of a fixed random weighting of
+the outputs) for ops that support autograd; or every rank must raise. A hang would time
+the pool out (10 s) and
+fail the test. Skipped, with the reason in ``SKIPPED``: ops whose results are random or
+uninitialised, and CUDA-only ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+from tests.tensor._cases import random_sizes
+
+pytest.importorskip("expecttest")
+
+RANDOM = {
+    "bernoulli", "normal", "uniform", "log_normal", "randn", "randn_like", "rand_like",
+    "randint", "randint_like", "nn.functional.dropout", "nn.functional.dropout2d",
+    "nn.functional.dropout3d", "nn.functional.alpha_dropout",
+    "nn.functional.feature_alpha_dropout", "nn.functional.rrelu", "multinomial",
+    "exponential", "geometric", "cauchy", "cdist",
+}  # fmt: skip
+UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                 "empty_permuted"}  # fmt: skip
+SKIPPED: dict[str, str] = {}
+CHUNK = 120  # ops per call on the ranks
+
+
+def _skip(op) -> str | None:
+    if op.name.startswith("jiterator"):
+        return "CUDA-only (jiterator)"
+    if op.name in RANDOM:
+        return "random results"
+    if op.name in UNINITIALISED:
+        return "uninitialised memory"
+    return None
+
+
+def _shardable(x, dim) -> bool:
+    return isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[dim % x.ndim] >= 2
+
+
+@functools.cache
+def _cases(dim: int) -> tuple:
+    """(op index, input, args, kwargs) of the first float64 sample each op can cut at dim
+    (seeded: the same samples in every process)."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    torch.manual_seed(0)
+    cases = []
+    for i, op in enumerate(op_db):
+        reason = _skip(op)
+        if reason:
+            SKIPPED[op.full_name] = reason
+            continue
+        if torch.float64 not in op.supported_dtypes("cpu"):
+            continue
+        try:
+            samples = op.sample_inputs("cpu", torch.float64, requires_grad=False)
+            for n, s in enumerate(samples):
+                if n > 8:
+                    break
+                if _shardable(s.input, dim):
+                    cases.append((i, s.input, tuple(s.args), dict(s.kwargs)))
+                    break
+        except Exception:  # a sample generator torch itself cannot run here
+            continue
+    return tuple(cases)
+
+
+def _pack(cases) -> list:
+    """Cases as they travel to the ranks (memory formats by name: they do not pickle)."""
+    from torch.utils._pytree import tree_map
+
+    def enc(v):
+        return ("memory_format", str(v).split(".")[-1]) if isinstance(v, torch.memory_format) else v
+
+    return [(i, inp, tree_map(enc, args), tree_map(enc, kwargs)) for i, inp, args, kwargs in cases]
+
+
+def _unpack(cases) -> list:
+    from torch.utils._pytree import tree_map
+
+    def dec(v):
+        return getattr(torch, v[1]) if isinstance(v, tuple) and v[:1] == ("memory_format",) else v
+
+    is_enc = lambda v: isinstance(v, tuple) and v[:1] == ("memory_format",)  # noqa: E731
+    return [
+        (i, inp, tree_map(dec, args, is_leaf=is_enc), tree_map(dec, kwargs, is_leaf=is_enc))
+        for i, inp, args, kwargs in cases
+    ]
+
+
+def _body(packed, dim: int, seed: int):
+    def body():
+        from torch.testing._internal.common_methods_invocations import op_db
+
+        from shardlab import ShardTensor, distribute, this_rank
+
+        cases = _unpack(packed)  # sampled once, in the test process
+        mesh = this_rank().mesh
+        n = mesh.size()
+        rng = random.Random(seed)
+        results = {}
+
+        def cut(t):
+            d = dim % t.ndim
+            return distribute(t, mesh, [Shard(d)], random_sizes(rng, t.shape[d], n))
+
+        def full(x):
+            if isinstance(x, ShardTensor):
+                return x.full_tensor()
+            if isinstance(x, (list, tuple)):
+                return type(x)(full(v) for v in x) if not hasattr(x, "_fields") else x
+            return x
+
+        for i, inp, args, kwargs in cases:
+            op = op_db[i]
+            grad = op.supports_autograd and inp.dtype.is_floating_point
+            x = inp.clone().requires_grad_(grad)
+            try:
+                ref = op.op(x, *args, **kwargs)
+                w = _weights(ref) if grad else None
+                if grad and w is not None:
+                    _weighted(ref, w).backward()
+            except Exception:
+                continue  # torch itself refuses this sample (or its backward)
+            try:
+                xs = inp.clone().requires_grad_(grad)
+                st = cut(xs)
+                sargs = tuple(
+                    cut(a) if isinstance(a, torch.Tensor) and a.shape == inp.shape else a
+                    for a in args
+                )
+                out = op.op(st, *sargs, **kwargs)
+                got = full(out)
+                torch.testing.assert_close(
+                    got,
+                    ref,
+                    rtol=1e-7,
+                    atol=1e-7,
+                    equal_nan=True,
+                    check_dtype=False,
+                    check_layout=False,
+                    check_stride=False,
+                )
+                if grad and w is not None and x.grad is not None:
+                    _weighted(out, w, full).backward()
+                    torch.testing.assert_close(
+                        xs.grad, x.grad, rtol=1e-7, atol=1e-7, equal_nan=True
+                    )
+                results[op.full_name] = "equal"
+            except AssertionError as exc:
+                results[op.full_name] = "WRONG: " + str(exc).splitlines()[0][:120]
+            except Exception as exc:  # noqa: BLE001
+                if any(w in str(exc) for w in ("Timed out", "pair closure", "Connection closed")):
+                    raise  # a collective that never completed: a hang, not an error
+                first = (str(exc).strip().splitlines() or [""])[0][:100]
+                results[op.full_name] = f"raised {type(exc).__name__}: {first}"
+        return results
+
+    return body
+
+
+def _weights(out):
+    """Fixed random weights for every floating output that carries a gradient."""
+    from torch.utils._pytree import tree_leaves
+
+    gen = torch.Generator().manual_seed(5)
+    ws = [
+        torch.randn(t.shape, dtype=t.dtype, generator=gen) if t.dtype.is_floating_point else None
+        for t in tree_leaves(out)
+        if isinstance(t, torch.Tensor)
+    ]
+    return ws if any(w is not None for w in ws) else None
+
+
+def _weighted(out, ws, full=lambda t: t):
+    """sum(w * out) over the floating outputs (gathered first when sharded)."""
+    from torch.utils._pytree import tree_leaves
+
+    ts = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    total = 0
+    for t, w in zip(ts, ws):
+        if w is not None and t.requires_grad:
+            total = total + (full(t) * w).nan_to_num().sum()
+    return total if isinstance(total, torch.Tensor) else torch.zeros((), requires_grad=True)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_op_db_equals_torch_or_raises_on_every_rank(ranks_for, world, dim):
+    cases = _cases(dim)
+    assert len(cases) > 350
+    pool = ranks_for(world)
+    results: dict = {}
+    for start in range(0, len(cases), CHUNK):
+        chunk = _pack(cases[start : start + CHUNK])
+        per_rank = pool.run(_body(chunk, dim, seed=start + world))
+        for name in per_rank[0]:
+            verdicts = {r[name] for r in per_rank}
+            assert len(verdicts) == 1, (name, verdicts)  # no split errors
+        results.update(per_rank[0])
+    wrong = {k: v for k, v in results.items() if v.startswith("WRONG")}
+    assert not wrong, wrong
+    equal = sum(v == "equal" for v in results.values())
+    assert equal >= 0.85 * len(results), (equal, len(results))

@@ -1,0 +1,117 @@
+"""Views of ShardTensors (``shardlab/tensor/aten/views.py``): what moves, and aliasing.
+
+* merges, splits on piece boundaries, permutes, squeezes, flatten/unflatten, slices:
+  no message at all, whatever the sizes;
+* views no layout describes move first, exactly the rows that change owner, labelled
+  ``auto-redistribute for <op>``;
+* a write into a view changes its base, also when the view had to be a copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from shardlab import distribute, this_rank
+
+VIEWS = [
+    ("flatten(1)", lambda x: x.flatten(1)),  # (B, S*C): block, sizes x C
+    ("flatten(0, 1)", lambda x: x.flatten(0, 1)),  # (B*S, C): strided
+    ("transpose+flatten", lambda x: x.transpose(1, 2).flatten(1)),  # strided
+    ("unflatten C", lambda x: x.unflatten(2, (2, 3))),
+    ("permute", lambda x: x.permute(2, 0, 1)),
+    ("unsqueeze/squeeze", lambda x: x.unsqueeze(1).unsqueeze(-1).squeeze(-1)),
+    ("slice", lambda x: x[:, 1:6:2]),
+    ("split", lambda x: x.split(3, dim=1)[1]),
+    ("chain back", lambda x: x.flatten(0, 1).view(2, 7, 6).flatten(1).view(2, 7, 6)),
+    ("expand", lambda x: x[:, :, :1].expand(2, 7, 4)),
+    ("reshape of a view", lambda x: x.transpose(0, 1).reshape(7, 12)),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_views_move_nothing_and_equal_torch(ranks_for, world):
+    def body():
+        import shardlab
+
+        mesh = this_rank().mesh
+        g = torch.randn(2, 7, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        sizes = {2: [5, 2], 3: [4, 0, 3], 4: [1, 3, 0, 3]}[world]
+        out = {}
+        for name, fn in VIEWS:
+            x = g.clone().requires_grad_()
+            st = distribute(x, mesh, [Shard(1)], sizes)
+            with shardlab.trace() as t:
+                y = fn(st)
+            same = torch.equal(y.full_tensor(), fn(g))
+            (y.full_tensor() * 2).sum().backward()
+            ref = g.clone().requires_grad_()
+            (fn(ref) * 2).sum().backward()
+            out[name] = (same, torch.equal(x.grad, ref.grad), t.counts())
+        return out
+
+    for res in ranks_for(world).run(body):
+        for name, (same, grad, counts) in res.items():
+            assert same and grad and counts == {}, (name, counts)
+
+
+def test_blocked_views_move_exactly_the_rows_that_change_owner(ranks_for):
+    """(12, 2) cut [5, 7] viewed as (3, 4, 2): pieces must be multiples of 4; the
+    cheapest fix moves row 4 to rank 1 (one row of 2 float64 = 16 bytes), no more.
+    A size-1 dim held by one rank that must vanish is sent by its owner only (3 floats)."""
+
+    def body():
+        import shardlab
+
+        mesh = this_rank().mesh
+        g = torch.arange(24.0, dtype=torch.float64).view(12, 2)
+        st = distribute(g, mesh, [Shard(0)], [5, 7])
+        with shardlab.trace() as t:
+            y = st.view(3, 4, 2)
+        row = distribute(torch.ones(1, 3), mesh, [Shard(0)], [0, 1])  # (1, 3) on rank 1
+        with shardlab.trace() as t2:
+            z = row.squeeze(0)
+        return (
+            torch.equal(y.full_tensor(), g.view(3, 4, 2)),
+            y.sharding.sizes_along(0),
+            sorted((e.kind, e.bytes, e.label) for e in t.events),
+            z.sharding.placements == (Replicate(),),
+            sorted((e.kind, e.bytes) for e in t2.events),
+        )
+
+    r0, r1 = ranks_for(2).run(body)
+    assert r0[0] and r0[1] == (1, 2) and r0[3]
+    assert r0[2] == [("send", 16, "auto-redistribute for view")]
+    assert r1[2] == [("recv", 16, "auto-redistribute for view")]
+    assert r0[4] == [("recv", 12)] and r1[4] == [("send", 12)]  # 3 float32
+
+
+def test_writes_through_views_reach_the_base(ranks_for):
+    """On one device ``x[:, 0] = v`` and ``x.diagonal().mul_(2)`` change ``x``; they must on
+    a mesh too, also where the view had to be a copy (a row of a cut dim, a view that
+    moved, an op computed on the whole tensor)."""
+
+    def body():
+        mesh = this_rank().mesh
+        g = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        out = []
+        for name, write in (
+            ("select of a cut dim", lambda x: x.__setitem__((slice(None), 2), 7.0)),
+            ("row of a cut dim", lambda x: x[3].mul_(-1)),
+            ("diagonal", lambda x: x.diagonal().mul_(2)),
+            ("blocked view", lambda x: x.view(10, 3)[4:6].zero_()),
+            ("slice", lambda x: x[1:4, ::2].add_(1)),
+        ):
+            ref = g.clone()
+            write(ref)
+            for place in (Shard(0), Shard(1)):
+                st = distribute(
+                    g.clone(), mesh, [place], [2, 0, 3] if place.dim == 0 else [1, 4, 1]
+                )
+                write(st)
+                out.append((name, place.dim, torch.equal(st.full_tensor(), ref)))
+        return out
+
+    for res in ranks_for(3).run(body):
+        assert all(ok for _, _, ok in res), [r for r in res if not r[2]]
