@@ -33,7 +33,7 @@ PATCHED_NAMES = (
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
     "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
     "interpolate", "batch_norm", "group_norm", "instance_norm", "layer_norm", "dropout",
-    "multi_head_attention_forward",
+    "multi_head_attention_forward", "unfold",
 )  # fmt: skip
 
 _LOCK = threading.RLock()

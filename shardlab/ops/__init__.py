@@ -13,6 +13,7 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     norm,
     pad,
     pool,
+    unfold,
 )
 from shardlab.ops.registry import HANDLERS, register, supported
 

@@ -234,6 +234,12 @@ class ShardTensor(DTensor):
             out = reduce_loss(func, args, kwargs)
             if out is not NotImplemented:
                 return out
+        if func is torch.Tensor.unfold and isinstance(args[0], ShardTensor):  # halo windows
+            from shardlab.ops.unfold import tensor_unfold
+
+            out = tensor_unfold(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
@@ -241,6 +247,18 @@ class ShardTensor(DTensor):
         from shardlab.tensor.dispatch import dispatch
 
         return dispatch(func, args, kwargs or {})
+
+
+def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> ShardTensor:
+    """This rank's block ``local`` as a ShardTensor of any ``layout`` (strided dims too),
+    differentiably: the sharded ops build their results with it."""
+    want = layout.local_shape(comm.my_coord(mesh))
+    if tuple(local.shape) != want:
+        raise RuntimeError(
+            f"shardlab internal error: a local block of shape {tuple(local.shape)} does not fit "
+            f"{layout} (this rank needs {want}); please report it"
+        )
+    return _FromLocal.apply(local, mesh, layout, stride)
 
 
 def _dispatch_rule(cls, func, types, args=(), kwargs=None):

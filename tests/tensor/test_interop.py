@@ -29,3 +29,46 @@ def test_parallelize_module_mlp_on_shard_tensors(ranks_for):
         return outs
 
     assert ranks_for(2).run(body) == [[True, True]] * 2
+
+
+def test_patched_functions_take_plain_dtensors(ranks_for):
+    """torch's own tensor parallelism hands plain DTensors to ``F`` calls: a
+    ``ColwiseParallel(use_local_output=False)`` head gives ``Shard(-1)`` logits, and
+    ``F.cross_entropy`` is then vocab-parallel (2 all-reduces forward) and exact, also
+    where torch's ``loss_parallel`` is not (ignored targets, label smoothing). A conv on a
+    ``distribute_tensor`` input is a halo conv. Gradients come back as DTensors."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        mesh = shardlab.this_rank().mesh
+        torch.manual_seed(0)
+        head = torch.nn.Linear(8, 12).double()
+        x = torch.randn(5, 8, dtype=torch.float64)
+        t = torch.tensor([3, -100, 11, 0, 7])
+        ref = F.cross_entropy(head(x), t, label_smoothing=0.1)
+        ref.backward()
+        want = [p.grad.clone() for p in head.parameters()]
+        head.zero_grad(set_to_none=True)
+        parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
+        with shardlab.patched(), shardlab.trace() as tr:
+            logits = head(x)  # a plain DTensor, Shard(-1)
+            kind = type(logits) is DTensor
+            loss = F.cross_entropy(logits, t, label_smoothing=0.1)
+            loss.backward()
+        grads = [p.grad.full_tensor() for p in head.parameters()]
+        ok = kind and torch.allclose(loss.full_tensor(), ref)
+        ok &= all(torch.allclose(g, w) for g, w in zip(grads, want))
+        fwd = [e.kind for e in tr.events if "cross_entropy" in e.label]
+
+        img = torch.randn(1, 2, 9, 5, dtype=torch.float64)
+        conv = torch.nn.Conv2d(2, 3, 3, padding=1).double()
+        with shardlab.patched():
+            y = conv(distribute_tensor(img, mesh, [Shard(2)]))
+        ok &= torch.allclose(y.full_tensor(), conv(img))
+        return ok, fwd
+
+    for ok, fwd in ranks_for(2).run(body):
+        assert ok and fwd == ["all_reduce", "all_reduce"], fwd

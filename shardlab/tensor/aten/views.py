@@ -284,3 +284,19 @@ def _view_as(func, args, kwargs):
         atoms = None if lay.atoms is None else lay.atoms[:-1]
         out = lay.replace(global_shape=tuple(x.shape[:-1]), atoms=atoms)
     return c.wrap(y, x.device_mesh, out)
+
+
+@register(aten.unfold.default)
+def _unfold(func, args, kwargs):
+    """``Tensor.unfold`` along a dim no mesh dim cuts: every rank unfolds its block (a cut
+    dim takes halos: :func:`shardlab.ops.unfold.tensor_unfold`, from ``__torch_function__``)."""
+    x, dim, size, step = args
+    dim %= max(x.ndim, 1)
+    if any(getattr(p, "dim", None) == dim for p in x._layout.placements):
+        return NotImplemented
+    y = func(x._local_tensor, dim, size, step)
+    lay = x._layout
+    shape = list(x.shape)
+    shape[dim] = y.shape[dim]
+    atoms = None if lay.atoms is None else lay.atoms + (None,)
+    return c.wrap(y, x.device_mesh, lay.replace(global_shape=(*shape, size), atoms=atoms))
