@@ -45,12 +45,23 @@ def check_torch_version() -> None:
 
 
 # -- DTensor's spec objects (private; the fields are unchanged 2.11-2.15) ---------------
-def dtensor_spec(mesh, placements, shape, stride, dtype):
-    import torch
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+_SPECS: dict = {}
 
-    meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
-    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+def dtensor_spec(mesh, placements, shape, stride, dtype):
+    """DTensor's spec of a global tensor; one shared (immutable) object per description."""
+    key = (mesh, tuple(placements), tuple(shape), tuple(stride), dtype)
+    spec = _SPECS.get(key)
+    if spec is None:
+        import torch
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
+        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+        if len(_SPECS) > 8192:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec
 
 
 def strided_shard_parts(placement) -> tuple[int, int] | None:

@@ -52,14 +52,14 @@ def full_weight(weight):
 
 
 def rows_layout(layout: ShardLayout, cd: int) -> ShardLayout:
-    """The input's layout without the class dim (Replicate where the class dim was)."""
-    places, sizes = [], []
-    for p, s in zip(layout.placements, layout.sizes):
-        cut = isinstance(p, Shard) and p.dim != cd
-        places.append(Shard(p.dim - (p.dim > cd)) if cut else Replicate())
-        sizes.append(s if cut else None)
-    shape = layout.global_shape[:cd] + layout.global_shape[cd + 1 :]
-    return ShardLayout(shape, layout.mesh_shape, tuple(places), tuple(sizes))
+    """The input's layout without the class dim (Replicate where the class dim was; a
+    strided row dim stays strided)."""
+    from shardlab.layout import moves
+    from shardlab.layout.views import select_dims_layout
+
+    cut = [m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim == cd]
+    rows = moves.replicated(layout, cut)
+    return select_dims_layout(rows, [d for d in range(len(layout.global_shape)) if d != cd])
 
 
 def build_sizes(sizes) -> list:
@@ -76,31 +76,39 @@ def describe(layout: ShardLayout) -> str:
     )
 
 
+def _block_of(t: torch.Tensor, layout: ShardLayout, coord) -> torch.Tensor:
+    """The rows of the whole tensor ``t`` that ``layout`` gives the rank at ``coord``."""
+    for d in range(t.ndim):
+        if layout.is_block(d):
+            start, n = layout._piece(d, tuple(coord))
+            t = t.narrow(d, start, n)
+        else:
+            t = t.index_select(d, torch.as_tensor(layout.dim_indices(d, coord), device=t.device))
+    return t
+
+
 def local_target(target, input, cd, probs, coord):
-    """This rank's block of the target: a ShardTensor laid out like the input (class
-    indices: like its non-class dims) or Replicate, or a plain full tensor. No comm."""
-    from shardlab.tensor import ShardTensor, distribute
+    """This rank's block of the target, laid out like the input (class indices: like its
+    non-class dims). A plain full tensor or a Replicate ShardTensor: sliced, no message;
+    a ShardTensor laid out otherwise (a causal-LM label shift: each rank's first label
+    belongs to the rank before): moved, exactly the entries that change owner."""
+    from shardlab.tensor import ShardTensor
+    from shardlab.tensor.api import _Redistribute, distribute
 
     want = input.sharding if probs else rows_layout(input.sharding, cd)
-    box = tuple(slice(a, b) for a, b in want.local_box(coord))
     if not isinstance(target, ShardTensor):
         if probs and target.requires_grad:  # its gradient: all-gathered in backward
-            return distribute(
-                target, input.device_mesh, want.placements, build_sizes(want.sizes)
-            ).to_local()
-        return target[box]
+            target = distribute(target, input.device_mesh, [Replicate()] * input.device_mesh.ndim)
+        else:
+            return _block_of(target, want, coord)
     if target.sharding == want:
         return target.to_local()
-    if all(isinstance(p, Replicate) for p in target.placements):
-        if probs:
-            return target.redistribute(
-                input.device_mesh, want.placements, sizes=build_sizes(want.sizes)
-            ).to_local()
-        return target.to_local()[box]
-    raise ValueError(
-        f"cross_entropy: target is laid out as [{describe(target.sharding)}] but the input "
-        f"needs it as [{describe(want)}] (or Replicate()): redistribute the target"
-    )
+    if all(isinstance(p, Replicate) for p in target.placements) and not probs:
+        return _block_of(target.to_local(), want, coord)
+    from shardlab.trace import label
+
+    with label("cross_entropy.target"):
+        return _Redistribute.apply(target, want).to_local()
 
 
 def check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing):

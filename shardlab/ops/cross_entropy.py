@@ -60,6 +60,7 @@ from torch.distributed.tensor import Replicate
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops.registry import register
 from shardlab.tensor import comm
+from shardlab.tensor.api import from_layout
 from shardlab.trace import label
 
 __all__ = ["cross_entropy"]
@@ -79,7 +80,7 @@ class _Plan:
     probs: bool  # class-probability targets (same shape as the input)
 
 
-@register("cross_entropy")
+@register("cross_entropy", row_wise=True)
 def cross_entropy(
     input,
     target,
@@ -102,15 +103,20 @@ def cross_entropy(
             "target.full_tensor() or shard the logits."
         )
     ce_args.check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing)
-    mesh, layout = input.device_mesh, input.sharding
     cd = 1 if input.ndim >= 2 else 0
+    if not input.sharding.is_block(cd):  # the classes must be consecutive (rows need not)
+        from shardlab.layout import moves
+        from shardlab.tensor.api import _Redistribute
+
+        input = _Redistribute.apply(input, moves.as_block(input.sharding, cd))
+    mesh, layout = input.device_mesh, input.sharding
     class_dim, row_dims = ce_args.mesh_roles(layout, cd)
     coord = comm.my_coord(mesh)
     probs = tuple(target.shape) == tuple(input.shape)
     plan = _Plan(
         cd=cd,
         n_classes=input.shape[cd],
-        offset=layout.local_offset(coord)[cd],
+        offset=layout._piece(cd, coord)[0],
         class_group=None if class_dim is None else mesh.get_group(class_dim),
         row_groups=_row_groups(mesh, row_dims),
         weight=ce_args.full_weight(weight),
@@ -125,15 +131,7 @@ def cross_entropy(
         return ShardTensor.from_local(
             out, mesh, [Replicate()] * mesh.ndim, [None] * mesh.ndim, shape=(), validate=False
         )
-    rows_layout = ce_args.rows_layout(layout, cd)
-    return ShardTensor.from_local(
-        out,
-        mesh,
-        rows_layout.placements,
-        ce_args.build_sizes(rows_layout.sizes),
-        shape=rows_layout.global_shape,
-        validate=False,
-    )
+    return from_layout(out, mesh, ce_args.rows_layout(layout, cd))
 
 
 class _CrossEntropy(torch.autograd.Function):

@@ -13,7 +13,9 @@ reduces over (N, H, W) per channel::
 Per call, forward::
 
     1. local sums of (x - K) and (x - K)^2 over the local block, stacked   (2, *stat shape)
-       K = running_mean for batch_norm (a shift near the mean: less cancellation), else 0
+       K = running_mean for batch_norm (a shift near the mean: less cancellation), else 0;
+       like every replicated buffer it must be the same on every rank (it is when every
+       rank runs the same steps)
     2. one all-reduce of the stack over the mesh dims that shard the reduced dims
        (none: the original torch op runs on the local block, no communication)
     3. y = (x - mean) * rsqrt(var + eps) * weight + bias on the local block

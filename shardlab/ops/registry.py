@@ -11,12 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 HANDLERS: dict[str, Callable] = {}
+ROW_WISE: set[str] = set()  # handlers that take strided dims as they are
 
 
-def register(*names: str) -> Callable:
+def register(*names: str, row_wise: bool = False) -> Callable:
+    """``@register("conv2d")``; ``row_wise=True``: the handler treats every row alone
+    (cross-entropy), so strided layouts (a flattened (B*S) dim) need not move first."""
+
     def deco(fn: Callable) -> Callable:
         for name in names:
             HANDLERS[name] = fn
+            if row_wise:
+                ROW_WISE.add(name)
         return fn
 
     return deco
@@ -39,5 +45,5 @@ def call(name: str, args, kwargs):
             f"handles {supported()} on ShardTensors. Redistribute the arguments to "
             "Replicate() and call it on .full_tensor(), or disable the patches."
         )
-    args, kwargs = prepare(args, kwargs, name)
+    args, kwargs = prepare(args, kwargs, name, keep_strided=name in ROW_WISE)
     return handler(*args, **kwargs)

@@ -118,13 +118,9 @@ def pointwise_rule(func, args, kwargs):
 def elementwise_shapes(args, kwargs, meta) -> bool:
     """Is every tensor result the broadcast shape of the inputs? (torch tags ``glu``
     pointwise, but it halves a dim: blocks of odd length would fail on some ranks.)"""
-    from torch.utils._pytree import tree_leaves
-
     if meta is None:
         return True
-    shape = torch.broadcast_shapes(
-        *[tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    shape = c.broadcast_shapes(
+        [tuple(t.shape) for t in c.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     )
-    return all(
-        tuple(m.shape) == tuple(shape) for m in tree_leaves(meta) if isinstance(m, torch.Tensor)
-    )
+    return all(tuple(m.shape) == shape for m in c.tree_leaves(meta) if isinstance(m, torch.Tensor))

@@ -8,7 +8,8 @@
   the original placements (Partial read as Replicate), so torch's own ops keep working;
 * a ``Partial`` value is reduced first (one all-reduce), as DTensor would;
 * a strided dim (a view merged a cut dim under another) is made consecutive again
-  (point-to-point moves of the rows that change owner).
+  (point-to-point moves of the rows that change owner), except for handlers that work
+  row by row (cross-entropy on ``logits.view(-1, V)``).
 
 Each step is labelled in the tracer (``prepare <op>``).
 """
@@ -44,17 +45,19 @@ class _FromDTensor(torch.autograd.Function):
         ), None
 
 
-def _block_and_whole(layout: ShardLayout) -> ShardLayout:
+def _block_and_whole(layout: ShardLayout, keep_strided: bool) -> ShardLayout:
     """``layout`` with Partial mesh dims Replicate and every strided dim consecutive."""
     places = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
     out = layout.replace(placements=places)
-    for d in out.strided_dims():
-        out = moves.as_block(out, d)
+    if not keep_strided:
+        for d in out.strided_dims():
+            out = moves.as_block(out, d)
     return out
 
 
-def prepare(args, kwargs, name: str):
-    """The arguments of ``F.<name>`` as the sharded handlers expect them (see module)."""
+def prepare(args, kwargs, name: str, keep_strided: bool = False):
+    """The arguments of ``F.<name>`` as the sharded handlers expect them (see module).
+    ``keep_strided``: the handler works row by row and takes strided dims as they are."""
     from shardlab.tensor.api import ShardTensor, _Redistribute
     from shardlab.tensor.aten._common import layout_of_dtensor
     from shardlab.trace import label
@@ -63,7 +66,7 @@ def prepare(args, kwargs, name: str):
         if isinstance(a, DTensor) and not isinstance(a, ShardTensor):
             a = _FromDTensor.apply(a, layout_of_dtensor(a))
         if isinstance(a, ShardTensor):
-            want = _block_and_whole(a._layout)
+            want = _block_and_whole(a._layout, keep_strided)
             if want != a._layout:
                 with label(f"prepare {name}"):
                     a = _Redistribute.apply(a, want)

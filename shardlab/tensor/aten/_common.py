@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.utils._pytree import tree_leaves, tree_map
 
 from shardlab import _compat
 from shardlab.layout import ShardLayout, chunk_sizes
@@ -18,10 +17,45 @@ from shardlab.tensor import comm
 aten = torch.ops.aten
 
 
-def shard_tensor_cls():
-    from shardlab.tensor.api import ShardTensor
+_CLS: list = []
 
-    return ShardTensor
+
+def shard_tensor_cls():
+    if not _CLS:
+        from shardlab.tensor.api import ShardTensor
+
+        _CLS.append(ShardTensor)
+    return _CLS[0]
+
+
+# aten arguments are tensors, scalars and (nested) lists/tuples of them, plus kwargs:
+# these two walk exactly that (torch's pytree handles every container, at a cost)
+def tree_leaves(tree) -> list:
+    out: list = []
+    _leaves(tree, out)
+    return out
+
+
+def _leaves(x, out) -> None:
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            _leaves(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _leaves(v, out)
+    else:
+        out.append(x)
+
+
+def tree_map(fn, tree):
+    if isinstance(tree, list):
+        return [tree_map(fn, v) for v in tree]
+    if isinstance(tree, tuple):
+        items = [tree_map(fn, v) for v in tree]
+        return type(tree)(*items) if hasattr(type(tree), "_fields") else tuple(items)
+    if isinstance(tree, dict):
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    return fn(tree)
 
 
 def shards_in(tree) -> list:
@@ -293,3 +327,19 @@ def copied_local(y, base):
         written(base)
 
     return with_writeback(y, writeback)
+
+
+def broadcast_shapes(shapes) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` for a few shapes (the same rules and error)."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for i, n in enumerate(s, ndim - len(s)):
+            if n != 1:
+                if out[i] not in (1, n):
+                    raise RuntimeError(
+                        f"The size of tensor a ({out[i]}) must match the size of tensor b ({n}) "
+                        f"at non-singleton dimension {i}"
+                    )
+                out[i] = n
+    return tuple(out)

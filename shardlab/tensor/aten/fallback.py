@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Partial
-from torch.utils._pytree import tree_map
 
 from . import _common as c
 
@@ -37,7 +36,7 @@ def replicate_and_run(func, args, kwargs):
             return whole[id(a)]
         return a
 
-    local_args, local_kwargs = tree_map(gather, (args, kwargs))
+    local_args, local_kwargs = c.tree_map(gather, (args, kwargs))
     written = {i for i in c.written_args(func)}
     # in-place on a gathered copy: the copy must not alias the caller's block
     if written:
@@ -83,9 +82,7 @@ def _with_global_strides(full: torch.Tensor, x) -> torch.Tensor:
 
 
 def _check_dense(func, result) -> None:
-    from torch.utils._pytree import tree_leaves
-
-    for r in tree_leaves(result):
+    for r in c.tree_leaves(result):
         if isinstance(r, torch.Tensor) and r.layout != torch.strided:
             raise NotImplementedError(
                 f"{c.op_name(func)} on a ShardTensor: its result is a {r.layout} tensor; "

@@ -53,9 +53,7 @@ def is_pointwise(func) -> bool:
 
 
 def _tensors(args, kwargs) -> list:
-    from torch.utils._pytree import tree_leaves
-
-    return [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    return [a for a in c.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
 
 
 def keeps_partial(func, args, kwargs, m: int) -> bool:
@@ -102,7 +100,7 @@ def pointwise(func, args, kwargs, meta_out=None):
     mesh = c.the_mesh(shards)
     nm = mesh.ndim
     ts = _tensors(args, kwargs)
-    out_shape = torch.broadcast_shapes(*[tuple(t.shape) for t in ts])
+    out_shape = c.broadcast_shapes([tuple(t.shape) for t in ts])
     keep = [keeps_partial(func, args, kwargs, m) for m in range(nm)]
     inplace = c.is_inplace(func)
     cause = f"{c.op_name(func)}.align"
@@ -137,8 +135,6 @@ def _cost(target, shards, nm) -> int:
 
 
 def _moved_locals(args, kwargs, target, mesh, cause):
-    from torch.utils._pytree import tree_map
-
     st = c.shard_tensor_cls()
 
     def conv(a):
@@ -151,7 +147,7 @@ def _moved_locals(args, kwargs, target, mesh, cause):
             )._local_tensor
         return a
 
-    return tree_map(conv, args), tree_map(conv, kwargs)
+    return c.tree_map(conv, args), c.tree_map(conv, kwargs)
 
 
 def _wrap_all(result, mesh, target):

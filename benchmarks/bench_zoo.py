@@ -1,0 +1,167 @@
+"""The model zoo, run sharded and unchanged: exact or not, what it sends, how long a step takes.
+
+``python benchmarks/bench_zoo.py [--ranks 4] [--models resnet,vit,...]`` prints one row per
+model: ``transformers`` models from small configs (``tests/models/_zoo.py``), float64,
+vision models on pixel values cut along H with uneven sizes, decoders on input ids and
+labels cut along the sequence. A step is forward + backward of the model's own loss.
+
+* exact: largest difference of logits and of the input gradient (vision) against the same
+  step on one device;
+* collectives / messages: counted on rank 0 by ``shardlab.trace`` over one step;
+* MiB recv: what the busiest rank receives in one step (a ring all-reduce delivers
+  2 (n-1)/n of its payload);
+* time: median of 3 steps after a warm-up, slowest rank; one device: the same step on
+  rank 0 alone. All ranks share this machine's cores, so times are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+import shardlab  # noqa: E402
+from benchmarks._common import received_bytes  # noqa: E402
+from tests.models import _zoo  # noqa: E402
+
+
+def _step(model, kind, inputs, labels):
+    out = model(**inputs, labels=labels)
+    out.loss.backward()
+    return out
+
+
+def body(name: str, repeats: int = 3):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    from shardlab import distribute, this_rank
+
+    mesh = this_rank().mesh
+    n = mesh.size()
+    if name in _zoo.DECODERS:
+        model, kind = _zoo.decoder(name).double(), "lm"
+        ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(3))
+        full, labels, dim = {"input_ids": ids}, ids, 1
+    else:
+        model, kind = _zoo.vision(name)
+        model = model.double()
+        g = torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        b, _, h, w = _zoo.IMAGE
+        labels = torch.randint(0, 3, (b, h, w)) if kind == "seg" else torch.tensor([1] * b)
+        full, dim = {"pixel_values": g}, 2
+    # one device (rank 0 alone, on its own copy: the ranks' buffers must stay alike)
+    one = None
+    if dist.get_rank() == 0:
+        import copy
+
+        single, times = copy.deepcopy(model), []
+        for _ in range(repeats + 1):
+            single.zero_grad(set_to_none=True)
+            xs = {
+                k: (v.clone().requires_grad_() if v.is_floating_point() else v)
+                for k, v in full.items()
+            }
+            t0 = time.perf_counter()
+            ref = _step(single, kind, xs, labels)
+            times.append(time.perf_counter() - t0)
+        one = (
+            statistics.median(times[1:]),
+            ref.logits.detach(),
+            next((v.grad for v in xs.values() if v.is_floating_point()), None),
+        )
+    dist.barrier()
+    # sharded
+    sizes = _zoo.uneven(next(iter(full.values())).shape[dim], n)
+    times = []
+    with shardlab.patched():
+        for i in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            xs = {
+                k: (v.clone().requires_grad_() if v.is_floating_point() else v)
+                for k, v in full.items()
+            }
+            st = {k: distribute(v, mesh, [Shard(dim)], sizes) for k, v in xs.items()}
+            lab = distribute(labels, mesh, [Shard(1)], sizes) if kind == "lm" else labels
+            dist.barrier()
+            if i == 1:
+                with shardlab.trace() as t:
+                    out = _step(model, kind, st, lab)
+                events = t.events
+            else:
+                t0 = time.perf_counter()
+                out = _step(model, kind, st, lab)
+                times.append(time.perf_counter() - t0)
+    logits = out.logits.detach().full_tensor()
+    grad = next((v.grad for v in xs.values() if v.is_floating_point()), None)
+    step = max(statistics.median(times), 0)
+    return {
+        "one": None if one is None else one[0],
+        "one_logits": None if one is None else one[1],
+        "one_grad": None if one is None else one[2],
+        "logits": logits,
+        "grad": grad,
+        "step": step,
+        "events": [e for e in events],
+        "recv": received_bytes(events, dist.get_rank()),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--models", default=",".join(_zoo.VISION + _zoo.DECODERS))
+    args = parser.parse_args(argv)
+    ranks = shardlab.Ranks(args.ranks, timeout=120)
+    rows = []
+    try:
+        for name in args.models.split(","):
+            res = ranks.run(body, name)
+            r0 = res[0]
+            err = (r0["logits"] - r0["one_logits"]).abs().max().item()
+            if r0["grad"] is not None and r0["one_grad"] is not None:
+                err = max(err, (r0["grad"] - r0["one_grad"]).abs().max().item())
+            ev = [e for e in r0["events"] if e.rank == 0]
+            coll = sum(e.kind not in ("send", "recv") for e in ev)
+            msgs = sum(e.kind in ("send", "recv") for e in ev)
+            fallback = sum("whole-tensor" in e.label for e in ev)
+            step = max(r["step"] for r in res)
+            rows.append(
+                (
+                    name,
+                    args.ranks,
+                    "yes" if err < 1e-9 else f"no ({err:.1e})",
+                    coll,
+                    msgs,
+                    max(r["recv"] for r in res) / 2**20,
+                    fallback,
+                    step * 1e3,
+                    r0["one"] * 1e3,
+                )
+            )
+    finally:
+        ranks.close()
+    print(
+        f"torch {torch.__version__}, {args.ranks} gloo ranks on {os.cpu_count()} cores, float64,"
+        " forward + backward of the model's loss\n"
+    )
+    print(
+        "| model | ranks | exact (float64) | collectives / step | messages / step "
+        "| MiB recv / rank | whole-tensor fallbacks | step ms | 1 device ms |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.3f} | {r[6]} "
+            f"| {r[7]:.0f} | {r[8]:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
