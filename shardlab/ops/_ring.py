@@ -67,10 +67,17 @@ class RingPlan:
         return len(self.kv_sizes)
 
     def visible(self, j: int, sq: int) -> bool:
-        """Does block j need any compute? (empty blocks and, for causal, blocks whose
-        keys all come after every local query are skipped)."""
+        """Does block j need any compute? (empty blocks, blocks a boolean mask hides
+        completely, and, for causal, blocks whose keys all come after every local query
+        are skipped: a local decision about compute; the messages stay the same)."""
         if sq == 0 or self.kv_sizes[j] == 0:
             return False
+        m = self.mask
+        if m is not None and m.dtype == torch.bool:
+            if m.shape[-1] != 1:
+                m = m.narrow(-1, self.kv_starts[j], self.kv_sizes[j])
+            if not bool(m.any()):
+                return False
         if self.q_pos is None:
             return True
         return bool(self.q_pos.max() >= self.kv_pos[j].min())

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
 from shardlab.layout import ShardLayout
-from shardlab.tensor import comm
+from shardlab.tensor import comm, submesh
 from shardlab.tensor.losses import LOSSES, reduce_loss
 
 __all__ = ["ShardTensor", "scatter_tensor", "distribute"]
@@ -183,6 +183,8 @@ class ShardTensor(DTensor):
         DTensor: e.g. ``[Partial()]`` for a replicated weight used on local
         rows, whose per-rank gradients must be summed.
         """
+        if getattr(self, "_whole_to_local", False) and grad_placements is None:
+            return self  # after a sub-mesh redistribute (a torch TP hook), see there
         grad_layout = self._layout
         if grad_placements is not None:
             places = _placements(grad_placements, self.device_mesh)
@@ -203,17 +205,40 @@ class ShardTensor(DTensor):
         Collectives: an all-reduce per Partial mesh dim that is resolved, then
         point-to-point messages carrying exactly the boxes that change owner.
         """
-        mesh = self.device_mesh if device_mesh is None else device_mesh
-        if mesh != self.device_mesh:
-            raise ValueError(
-                "redistribute: device_mesh must be the tensor's own mesh "
-                f"{self.device_mesh}, got {mesh}"
-            )
+        mesh = self.device_mesh
+        sub = device_mesh if device_mesh is not None and device_mesh != mesh else None
+        if sub is None and placements is not None and len(tuple(placements)) < mesh.ndim:
+            sub = submesh.hook_sub_mesh(mesh)  # torch's TP hooks: placements of mesh["tp"]
+        if sub is not None:
+            return self._redistribute_on(sub, placements, sizes)
         placements = _placements(placements, mesh)
         dst = ShardLayout.build(
             self._layout.global_shape, self._layout.mesh_shape, placements, sizes
         )
         return _Redistribute.apply(self, dst)
+
+    def _redistribute_on(self, sub, placements, sizes) -> ShardTensor:
+        """Redistribute over the mesh dims of sub-mesh ``sub`` only; the other mesh dims
+        keep their placements and sizes. The result's ``to_local()`` returns it whole: a
+        torch TP hook (``to_local()`` after its own redistribute) keeps the other dims
+        sharded, and the model code sees global shapes, as on one device."""
+        mesh = self.device_mesh
+        dims = submesh.sub_mesh_dims(sub, mesh)
+        if dims is None:
+            raise ValueError(
+                f"redistribute: device_mesh {sub} is neither the tensor's mesh {mesh} nor "
+                "a sub-mesh of it (named dims of the same ranks)"
+            )
+        places = list(self._layout.placements)
+        new = _placements(placements, sub)
+        want: list = [_sizes_arg(self._layout, m) for m in range(mesh.ndim)]
+        for i, d in enumerate(dims):
+            places[d] = new[i]
+            want[d] = None if sizes is None else sizes[i]
+        dst = ShardLayout.build(self._layout.global_shape, self._layout.mesh_shape, places, want)
+        out = _Redistribute.apply(self, dst)
+        out._whole_to_local = True
+        return out
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable).
@@ -274,27 +299,26 @@ _compat.route_dispatch(ShardTensor, _dispatch_rule)
 def _lift_trainable(args, kwargs):
     """Plain tensors that require grad (parameters) next to a ShardTensor become
     replicated ShardTensors *differentiably*, so their ``.grad`` is a plain tensor
-    holding the full gradient (summed over ranks), as on one device."""
+    holding the full gradient (summed over ranks), as on one device. DTensors on a
+    sub-mesh (torch TP weights on ``mesh["tp"]``) are read on the whole mesh, and their
+    gradients go back to the sub-mesh (:mod:`shardlab.tensor.submesh`)."""
     from torch.utils._pytree import tree_leaves, tree_map
 
     leaves = tree_leaves((args, kwargs))
-    if not any(
-        type(a) is not ShardTensor
-        and isinstance(a, torch.Tensor)
-        and a.requires_grad
-        and not isinstance(a, DTensor)
+    shards = [a for a in leaves if isinstance(a, ShardTensor)]
+    mesh = max((a.device_mesh for a in shards), key=lambda m: m.ndim)
+    plain = any(
+        isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.requires_grad
         for a in leaves
-    ):
+    )
+    sub = any(isinstance(a, DTensor) and a.device_mesh != mesh for a in leaves)
+    if not plain and not sub:
         return args, kwargs
-    mesh = next(a.device_mesh for a in leaves if isinstance(a, ShardTensor))
 
     def lift(a):
-        if (
-            isinstance(a, torch.Tensor)
-            and not isinstance(a, DTensor)
-            and a.requires_grad
-            and a.ndim > 0
-        ):
+        if isinstance(a, DTensor):
+            return submesh.embed(a, mesh) if sub else a
+        if isinstance(a, torch.Tensor) and a.requires_grad and a.ndim > 0:
             return distribute(a, mesh, [Replicate()] * mesh.ndim)
         return a
 
@@ -357,6 +381,14 @@ def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
 
 
 # -- helpers ----------------------------------------------------------------
+def _sizes_arg(layout: ShardLayout, m: int):
+    """``sizes`` entry of mesh dim ``m`` for ``ShardLayout.build``."""
+    e = layout.sizes[m]
+    if e is None:
+        return None
+    return list(e[0]) if len(e) == 1 else [list(x) for x in e]
+
+
 def _mesh(mesh):
     if mesh is None:
         from shardlab.runtime import this_rank

@@ -38,6 +38,9 @@ class Event:
     end of a send/recv (the root of a broadcast/scatter/gather/reduce).
     ``label`` names the shardlab op and phase that caused it (``"conv2d.halo
     forward"``), ``api`` is ``"c10d"`` (torch.distributed) or ``"functional"``.
+    ``mesh_dim`` is the mesh dim (axis) the event runs along: the collective's group, or
+    for a message the mesh dim whose group holds both ends (None: the whole world of a
+    2-D mesh, or no mesh given to ``trace``).
     ``duration`` is the time of the call in seconds (for an asynchronous op,
     the time to issue it).
     """

@@ -150,6 +150,8 @@ class _Recorder(TorchDispatchMode):
         if peer is not None and peer >= 0:
             peer = dist.get_global_rank(pg, peer)
         mesh_dim = next((d for d, g in enumerate(self.mesh_groups) if g == group), None)
+        if mesh_dim is None and peer is not None:  # a message: the mesh dim it travels along
+            mesh_dim = next((d for d, g in enumerate(self.mesh_groups) if peer in g), None)
         self.events.append(
             Event(
                 rank=self.rank,

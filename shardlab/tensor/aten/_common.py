@@ -196,12 +196,23 @@ def layout_of_dtensor(dt) -> ShardLayout:
 def adopt(tree):
     """Plain DTensors in an op's arguments become ShardTensors (chunk sizes are just one
     layout); everything else is left as it is."""
+    from shardlab.tensor import submesh
+
     st = shard_tensor_cls()
+    meshes = [a.device_mesh for a in tree_leaves(tree) if isinstance(a, DTensor)]
+    big = max(meshes, key=lambda m: m.ndim) if meshes else None
 
     def conv(a):
-        if isinstance(a, DTensor) and not isinstance(a, st):
-            return st._wrap(a._local_tensor, a.device_mesh, layout_of_dtensor(a))
-        return a
+        if not isinstance(a, DTensor):
+            return a
+        lay = a._layout if isinstance(a, st) else layout_of_dtensor(a)
+        if a.device_mesh != big:  # on a sub-mesh (torch TP weights on mesh["tp"])
+            dims = submesh.sub_mesh_dims(a.device_mesh, big)
+            if dims is not None:
+                return st._wrap(a._local_tensor, big, submesh.embed_layout(lay, dims, big))
+        if isinstance(a, st):
+            return a
+        return st._wrap(a._local_tensor, a.device_mesh, lay)
 
     return tree_map(conv, tree)
 
