@@ -72,12 +72,9 @@ class RingPlan:
         are skipped: a local decision about compute; the messages stay the same)."""
         if sq == 0 or self.kv_sizes[j] == 0:
             return False
-        m = self.mask
-        if m is not None and m.dtype == torch.bool:
-            if m.shape[-1] != 1:
-                m = m.narrow(-1, self.kv_starts[j], self.kv_sizes[j])
-            if not bool(m.any()):
-                return False
+        m = self.block_mask(j)
+        if m is not None and m.dtype == torch.bool and not bool(m.any()):
+            return False
         if self.q_pos is None:
             return True
         return bool(self.q_pos.max() >= self.kv_pos[j].min())
@@ -88,7 +85,10 @@ class RingPlan:
         position runs that sees anything (head-tail balancing gives two runs each); or
         None: explicit masked scores (a mask, another device, or a run pair that is
         neither all visible nor the same positions)."""
-        if q.device.type != "cpu" or self.mask is not None or q.shape[-1] != v.shape[-1]:
+        if q.device.type != "cpu" or q.shape[-1] != v.shape[-1]:
+            return None
+        m = self.block_mask(j)  # a boolean mask showing every key of block j: no mask
+        if m is not None and (m.dtype != torch.bool or not bool(m.all())):
             return None
         if q.numel() == 0 or v.numel() == 0:  # no batch or no heads here (the kernel crashes)
             return None
@@ -108,14 +108,19 @@ class RingPlan:
                     return None
         return pieces
 
+    def block_mask(self, j: int) -> torch.Tensor | None:
+        """The mask's columns of block j (None: no mask)."""
+        m = self.mask
+        if m is None or m.shape[-1] == 1:
+            return m
+        return m.narrow(-1, self.kv_starts[j], self.kv_sizes[j])
+
     def scores(self, q: torch.Tensor, k: torch.Tensor, j: int) -> torch.Tensor:
         """Scores of the local queries against block j, masked (in place: one
         (*, H_q, S_q, S_kv_j) tensor is the only large allocation)."""
         s = (q @ k.transpose(-2, -1)).mul_(self.scale)  # (*, H_q, S_q, S_kv_j)
         if self.mask is not None:
-            m = self.mask
-            if m.shape[-1] != 1:
-                m = m.narrow(-1, self.kv_starts[j], self.kv_sizes[j])  # block j's columns
+            m = self.block_mask(j)  # block j's columns
             s = s.masked_fill_(~m, NEG_INF) if m.dtype == torch.bool else s.add_(m)
         if self.q_pos is not None:  # causal, by true positions
             s = s.masked_fill_(self.kv_pos[j][None, :] > self.q_pos[:, None], NEG_INF)

@@ -150,3 +150,24 @@ def test_conv_under_torchrun(tmp_path):
     assert [int(line.split("|")[1]) for line in body] == list(conv.QUICK)
     assert all(int(line.split("|")[2]) == WORLD for line in body)
     assert (tmp_path / "conv.png").stat().st_size > 1000
+
+
+def test_lm(ranks_for, tmp_path):
+    """The decoder trains sequence-sharded on 2 ranks (and ring x TP on a (2, 2) mesh
+    with 4) with the loss curve of one device; the ring moves fewer bytes per step than
+    gathering K and V when the sequence is long enough to matter."""
+    from shardlab.demo import lm
+
+    for world in (2, 4):
+        args = parse_args(["lm", "--quick", "--out", str(tmp_path)])
+        per_rank = ranks_for(world).run(lm.run, args)
+        rows = per_rank[0]
+        assert all(r == rows for r in per_rank)
+        names = [r["config"] for r in rows]
+        want = ["1 device", f"ring, {world} ranks", f"all-gather K/V, {world} ranks"]
+        assert names == want + (["ring x TP, mesh (2, 2)"] if world == 4 else []), names
+        for r in rows:
+            assert r["ok"] and r["max_rel_err"] <= 1e-5 and r["tokens_s"] > 0
+            assert len(r["losses"]) == 2 and r["peak_mib"] > 0
+        assert rows[0]["recv_mib"] == 0 and all(r["recv_mib"] > 0 for r in rows[1:])
+        assert (tmp_path / "lm.png").stat().st_size > 1000
