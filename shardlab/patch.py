@@ -11,6 +11,9 @@ original: a call whose positional or keyword arguments include a ShardTensor
 (or a plain DTensor, read with its chunk sizes) goes to the handler registered
 for that name in :mod:`shardlab.ops.registry`; any other call goes to the
 original, with identical results and errors.
+When natten is importable, its ``na1d``/``na2d``/``na3d`` (``natten.functional`` and
+``natten``) route ShardTensor calls to :mod:`shardlab.ops.neighborhood` the same way, also
+when natten is imported after ``enable()`` (a wrapt post-import hook).
 Patching is idempotent and thread-safe; ``disable()`` and leaving
 ``patched()`` (also on an exception) restore the original objects.
 """
@@ -78,6 +81,7 @@ def enable() -> None:
             original = getattr(F, name)
             _ORIGINALS[name] = original
             setattr(F, name, wrapt.FunctionWrapper(original, _router(name)))
+        _hook_natten()
 
 
 def disable() -> None:
@@ -86,6 +90,76 @@ def disable() -> None:
         for name, original in list(_ORIGINALS.items()):
             setattr(F, name, original)
             del _ORIGINALS[name]
+        for (module, name), original in list(_NATTEN_ORIGINALS.items()):
+            setattr(module, name, original)
+            del _NATTEN_ORIGINALS[(module, name)]
+
+
+# -- natten: its functional entry points, also when natten is imported later ----------
+NATTEN_MODULES = ("natten.functional", "natten")
+NATTEN_NAMES = ("na1d", "na2d", "na3d")
+_NATTEN_ORIGINALS: dict = {}  # (module, name) -> original
+_NATTEN_HOOKED: list = []
+
+
+def _natten_router(name: str):
+    def route(wrapped, instance, args, kwargs):
+        if not _has_shard_tensor(args, kwargs):
+            return wrapped(*args, **kwargs)
+        import inspect
+
+        from shardlab.ops import neighborhood
+
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        for unsupported, neutral in (
+            ("stride", 1),
+            ("additional_keys", None),
+            ("additional_values", None),
+        ):
+            if unsupported in a and a[unsupported] not in (neutral, (neutral,) * int(name[2])):
+                raise NotImplementedError(
+                    f"sharded natten.{name}: {unsupported}={a[unsupported]!r} is not "
+                    f"supported on ShardTensors (shardlab supports kernel_size, dilation, "
+                    "is_causal, scale)"
+                )
+        return getattr(neighborhood, name)(
+            a["query"],
+            a["key"],
+            a["value"],
+            a["kernel_size"],
+            a.get("dilation", 1),
+            a.get("is_causal", False),
+            a.get("scale"),
+        )
+
+    return route
+
+
+def _patch_natten(module) -> None:
+    """wrapt's post-import hook (and ``enable()`` for natten already imported)."""
+    with _LOCK:
+        if not _ORIGINALS:  # shardlab is not enabled: leave natten alone
+            return
+        for name in NATTEN_NAMES:
+            original = getattr(module, name, None)
+            if original is None or (module, name) in _NATTEN_ORIGINALS:
+                continue
+            _NATTEN_ORIGINALS[(module, name)] = original
+            setattr(module, name, wrapt.FunctionWrapper(original, _natten_router(name)))
+
+
+def _hook_natten() -> None:
+    import sys
+
+    if not _NATTEN_HOOKED:  # once per process: wrapt keeps the hooks
+        for mod in NATTEN_MODULES:
+            wrapt.register_post_import_hook(_patch_natten, mod)
+        _NATTEN_HOOKED.append(True)
+    for mod in NATTEN_MODULES:  # already imported (also after a disable())
+        if mod in sys.modules:
+            _patch_natten(sys.modules[mod])
 
 
 def is_enabled() -> bool:

@@ -124,3 +124,68 @@ def test_shard_tensor_routes_and_unhandled_names_say_what_is_supported(ranks_for
     for kind, msg, _ in ranks_for(2).run(body):
         assert kind == "ShardTensor"
         assert "cross_entropy" in msg and "conv2d" in msg
+
+
+FAKE_NATTEN = """
+def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None):
+    return "natten's own na1d"
+
+
+def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None):
+    return "natten's own na2d"
+
+
+def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None):
+    return "natten's own na3d"
+"""
+
+
+def test_natten_imported_after_enable_routes_shard_tensors(ranks_for, tmp_path):
+    """natten has no CPU wheel here: a stand-in package with its signatures, imported
+    after ``patched()`` (wrapt's import hook) and before (patched at enable)."""
+    pkg = tmp_path / "natten"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from natten.functional import na1d, na2d, na3d\n")
+    (pkg / "functional.py").write_text(FAKE_NATTEN)
+
+    def body(path):
+        import importlib
+        import sys
+
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute, this_rank
+        from shardlab.ops.neighborhood import na1d
+
+        sys.path.insert(0, path)
+        x = torch.randn(1, 9, 1, 2, dtype=torch.float64)
+        sx = distribute(x, this_rank().mesh, [Shard(1)], [[4, 5]])
+        out = {}
+        try:
+            with shardlab.patched():
+                import natten.functional as nf  # first import: inside the block
+
+                out["plain"] = nf.na1d(x, x, x, 3)
+                y = nf.na1d(sx, sx, sx, 3)
+                out["sharded"] = type(y).__name__
+                out["exact"] = torch.allclose(y.full_tensor(), na1d(x, x, x, 3))
+                try:
+                    nf.na1d(sx, sx, sx, 3, stride=2)
+                except NotImplementedError as exc:
+                    out["stride"] = str(exc)
+            out["after"] = nf.na1d(sx, sx, sx, 3)  # restored
+            with shardlab.patched():  # natten already imported: patched again
+                out["again"] = type(importlib.import_module("natten").na2d).__name__
+            out["restored"] = type(nf.na2d).__name__
+        finally:
+            sys.path.remove(path)
+            for m in [m for m in sys.modules if m.startswith("natten")]:
+                del sys.modules[m]
+        return out
+
+    for r in ranks_for(2).run(body, str(tmp_path)):
+        assert r["plain"] == "natten's own na1d" and r["sharded"] == "ShardTensor", r
+        assert r["exact"] and "stride=2 is not supported" in r["stride"], r
+        assert r["after"] == "natten's own na1d", r
+        assert r["again"] == "FunctionWrapper" and r["restored"] == "function", r

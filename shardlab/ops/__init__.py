@@ -10,6 +10,7 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     dropout,
     interpolate,
     mha,
+    neighborhood,
     norm,
     pad,
     pool,

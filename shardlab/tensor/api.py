@@ -226,8 +226,8 @@ class ShardTensor(DTensor):
         dims = submesh.sub_mesh_dims(sub, mesh)
         if dims is None:
             raise ValueError(
-                f"redistribute: device_mesh {sub} is neither the tensor's mesh {mesh} nor "
-                "a sub-mesh of it (named dims of the same ranks)"
+                f"redistribute: device_mesh must be the tensor's own mesh {mesh} or a "
+                f"sub-mesh of it (named dims of the same ranks), got {sub}"
             )
         places = list(self._layout.placements)
         new = _placements(placements, sub)
