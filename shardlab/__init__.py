@@ -22,6 +22,7 @@ __all__ = [
     "disable",
     "distribute",
     "enable",
+    "explain",
     "patched",
     "scatter_tensor",
     "this_rank",
@@ -32,6 +33,7 @@ __all__ = [
 # name -> module that defines it (these import torch, so they load on first use)
 _LAZY = {
     "trace": "shardlab.trace",
+    "explain": "shardlab.trace.explain",
     "ShardTensor": "shardlab.tensor",
     "distribute": "shardlab.tensor",
     "scatter_tensor": "shardlab.tensor",

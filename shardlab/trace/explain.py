@@ -1,0 +1,395 @@
+"""``shardlab.explain``: what every module of a model did, forward and backward, per rank.
+
+::
+
+    # on the ranks (inside ranks.run or a %%ranks cell)
+    ex = shardlab.explain(model, pixel_values=x, labels=y)      # one step: forward + backward
+    with shardlab.explain(model) as ex:                         # or around your own step
+        model(x).loss.backward()
+    print(ex.table())      # modules in call order: layouts in/out, messages, bytes, ms, MiB
+    ex.plot()              # modules down, ranks across: bytes received, halos and collectives
+    ex.to_json()
+
+How it attributes (no change to the model, hooks removed on exit):
+
+1. forward: a pre-hook and a hook on every module keep a stack of the modules running;
+   each message the tracer records belongs to the innermost one (its "self" share);
+2. backward: each autograd node a module's forward created is tagged with the module
+   (innermost first); a pre-hook on the node names the module while the node runs, so a
+   gradient's halo or all-reduce lands on the module whose forward caused it;
+3. time: between a module's hooks (forward, inclusive of its children) and between node
+   pre-hooks (backward); memory: live tensor bytes (``LiveBytes`` on CPU, the CUDA
+   allocator on GPU), the peak while the module ran above what was live when it began;
+4. on exit, every rank's rows are gathered (one ``all_gather_object``, after the
+   explanation's own trace; an outer ``shardlab.trace()`` sees it labelled
+   ``explain gather``), so each rank holds the numbers of all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["Explanation", "ModuleRecord", "explain"]
+
+
+@dataclass
+class ModuleRecord:
+    """One module, one phase, one rank."""
+
+    name: str
+    kind: str  # the module's class name
+    phase: str  # "forward" or "backward"
+    order: int  # call order (forward) / first node run (backward)
+    depth: int
+    inputs: list[str] = field(default_factory=list)  # layouts, e.g. "Shard(2) [9, 8, 8, 7]"
+    outputs: list[str] = field(default_factory=list)
+    events: list[tuple] = field(default_factory=list)  # (kind, bytes, peer, mesh_dim, label)
+    seconds: float = 0.0
+    peak_bytes: int = 0
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(b for k, b, *_ in self.events if k == "recv") + sum(
+            b for k, b, *_ in self.events if k not in ("send", "recv")
+        )
+
+
+def _describe(x) -> str | None:
+    from shardlab.tensor import ShardTensor
+
+    if isinstance(x, ShardTensor):
+        lay, parts = x.sharding, []
+        for m, p in enumerate(lay.placements):
+            sizes = lay.sizes[m]
+            if hasattr(p, "dim") and type(p).__name__ == "Shard":
+                name = f"Shard({p.dim})"
+            else:
+                name = f"{type(p).__name__}()"
+            parts.append(name + (f" {list(sizes[0])}" if sizes and len(sizes) == 1 else ""))
+        return f"{tuple(x.shape)} " + ", ".join(parts)
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)} plain"
+    return None
+
+
+def _layouts(args, kwargs) -> list[str]:
+    from torch.utils._pytree import tree_leaves
+
+    out = [_describe(a) for a in tree_leaves((args, kwargs))]
+    return [d for d in out if d is not None][:4]
+
+
+class _Memory:
+    """Live tensor bytes now (CPU: a LiveBytes mode; CUDA: the allocator)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.mode = None
+
+    def __enter__(self):
+        if not self.cuda:
+            from shardlab.demo._common import LiveBytes
+
+            self.mode = LiveBytes().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+
+    def now(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else self.mode.now
+
+    def reset_peak(self) -> int:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        self.mode.peak = self.mode.now
+        return self.mode.now
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.cuda else self.mode.peak
+
+
+class Explainer:
+    """The context manager behind :func:`explain` (``.explanation`` after the block)."""
+
+    def __init__(self, model: torch.nn.Module, memory: bool = True):
+        self.model, self.memory = model, memory
+        self.explanation: Explanation | None = None
+
+    # -- entering: hooks and the tracer --------------------------------------------
+    def __enter__(self):
+        from shardlab.runtime import this_rank
+        from shardlab.trace import trace
+
+        ctx = this_rank()
+        self.rank, self.device = ctx.rank, ctx.device
+        self.records: dict[tuple[str, str], ModuleRecord] = {}
+        self.names = {m: n or type(m).__name__ for n, m in self.model.named_modules()}
+        self.stack: list[tuple[torch.nn.Module, float, int, set]] = []
+        self.marks: list[tuple[int, str]] = []  # (event index, owner) in time order
+        self.node_owner: dict = {}
+        self.back_owner: str | None = None
+        self.back_since = 0.0
+        self._trace = trace()
+        self.t = self._trace.__enter__()
+        self._mem = _Memory(self.device).__enter__() if self.memory else None
+        self.handles = []
+        for m in self.names:
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        return self
+
+    def _record(self, module, phase) -> ModuleRecord:
+        name = self.names[module]
+        key = (name, phase)
+        if key not in self.records:
+            self.records[key] = ModuleRecord(
+                name, type(module).__name__, phase, len(self.records), name.count(".") + 1
+            )
+        return self.records[key]
+
+    def _pre(self, module, args, kwargs):
+        rec = self._record(module, "forward")
+        rec.inputs = _layouts(args, kwargs)
+        grad_fns = {a.grad_fn for a in _tensors((args, kwargs)) if a.grad_fn is not None}
+        if self._mem and self.stack:  # the parent's peak so far, before the reset
+            self.stack[-1][4] = max(self.stack[-1][4], self._mem.peak())
+        base = self._mem.reset_peak() if self._mem else 0
+        self.stack.append([module, time.perf_counter(), base, grad_fns, base])
+        self.marks.append((len(self.t.events), self.names[module]))
+
+    def _post(self, module, args, kwargs, output):
+        _, start, base, stop, children = self.stack.pop()
+        rec = self._record(module, "forward")
+        rec.outputs = _layouts((output,), {})
+        rec.seconds += time.perf_counter() - start
+        if self._mem:  # [4]: the highest peak of this module's children
+            top = max(self._mem.peak(), children)
+            rec.peak_bytes = max(rec.peak_bytes, top - base)
+            if self.stack:
+                self.stack[-1][4] = max(self.stack[-1][4], top)
+        self.marks.append((len(self.t.events), self.names[self.stack[-1][0]] if self.stack else ""))
+        self._tag_nodes(module, output, stop)
+
+    def _tag_nodes(self, module, output, stop):
+        """Autograd nodes this module's forward made (not its children's: tagged first)."""
+        name = self.names[module]
+        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in stop or node in self.node_owner or type(node).__name__ == "AccumulateGrad":
+                continue
+            self.node_owner[node] = name
+            node.register_prehook(self._node_hook(name, module))
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+
+    def _node_hook(self, name, module):
+        def hook(grad_outputs):
+            now = time.perf_counter()
+            if self.back_owner is not None:
+                prev = self.records[(self.back_owner, "backward")]
+                prev.seconds += now - self.back_since
+            if name != self.back_owner:
+                self.marks.append((len(self.t.events), "back:" + name))
+            self._record(module, "backward")
+            self.back_owner, self.back_since = name, now
+
+        return hook
+
+    # -- leaving: attribute the events, gather the ranks --------------------------
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        if self.back_owner is not None:
+            self.records[(self.back_owner, "backward")].seconds += (
+                time.perf_counter() - self.back_since
+            )
+        if self._mem:
+            self._mem.__exit__(*exc)
+        self._trace.__exit__(*exc)
+        if exc[0] is not None:
+            return False
+        owner, marks = "", iter(self.marks + [(len(self.t.events) + 1, "")])
+        nxt = next(marks)
+        for i, e in enumerate(self.t.events):
+            while nxt[0] <= i:
+                owner = nxt[1]
+                nxt = next(marks)
+            key = (owner[5:], "backward") if owner.startswith("back:") else (owner, "forward")
+            rec = self.records.get(key)
+            if rec is None:  # outside every module (the loss, the optimizer)
+                rec = self.records.setdefault(
+                    ("(outside modules)", key[1]),
+                    ModuleRecord("(outside modules)", "", key[1], 10**6, 0),
+                )
+            rec.events.append((e.kind, e.bytes, e.peer, e.mesh_dim, e.label))
+        import torch.distributed as dist
+
+        mine = [
+            asdict(r)
+            for r in sorted(self.records.values(), key=lambda r: (r.phase != "forward", r.order))
+        ]
+        everyone: list = [None] * dist.get_world_size()
+        from shardlab.trace import label
+
+        with label("explain gather"):  # after its own trace: not in the explanation
+            dist.all_gather_object(everyone, mine)
+        self.explanation = Explanation([[ModuleRecord(**r) for r in rows] for rows in everyone])
+        return False
+
+
+def _tensors(tree):
+    from torch.utils._pytree import tree_leaves
+
+    out = []
+    for x in tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif hasattr(x, "values") and callable(x.values):  # transformers' ModelOutput
+            out.extend(v for v in x.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _cell(c) -> str:
+    return f"{c:.2f}" if isinstance(c, float) else str(c)
+
+
+def explain(model, *inputs, backward: bool = True, memory: bool = True, **kwargs):
+    """Run ``model(*inputs, **kwargs)`` (and backward of its loss: ``.loss``, or the sum of
+    the output) and explain it; without inputs, a context manager around your own step."""
+    if not inputs and not kwargs:
+        return Explainer(model, memory)
+    with Explainer(model, memory) as ex:
+        out = model(*inputs, **kwargs)
+        if backward:
+            loss = getattr(out, "loss", None)
+            if loss is None:
+                loss = out if isinstance(out, torch.Tensor) else out[0]
+            (loss if loss.ndim == 0 else loss.sum()).backward()
+    return ex.explanation
+
+
+@dataclass
+class Explanation:
+    """Per rank, per module and phase: :class:`ModuleRecord` rows (``ranks[r]``)."""
+
+    ranks: list[list[ModuleRecord]]
+
+    def rows(self, rank: int = 0) -> list[ModuleRecord]:
+        return self.ranks[rank]
+
+    def totals(self, rank: int) -> dict:
+        """Messages, collectives and bytes of rank ``rank`` over every module."""
+        ev = [e for r in self.ranks[rank] for e in r.events]
+        return {
+            "messages": sum(1 for e in ev if e[0] in ("send", "recv")),
+            "collectives": sum(1 for e in ev if e[0] not in ("send", "recv")),
+            "bytes": sum(e[1] for e in ev),
+        }
+
+    def _summary(self):
+        """(name, kind, phase, in, out, collectives, messages, max bytes, max ms, max MiB)."""
+        out = []
+        for i, r in enumerate(self.ranks[0]):
+            same = [rows[i] for rows in self.ranks if i < len(rows)]
+            counts: dict = {}
+            for e in r.events:
+                if e[0] not in ("send", "recv"):
+                    counts[e[0]] = counts.get(e[0], 0) + 1
+            out.append(
+                (
+                    "  " * (r.depth - 1) + r.name.rsplit(".", 1)[-1],
+                    r.kind,
+                    r.phase,
+                    "; ".join(r.inputs[:2]),
+                    "; ".join(r.outputs[:1]),
+                    ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
+                    max(sum(1 for e in x.events if e[0] in ("send", "recv")) for x in same),
+                    max(sum(e[1] for e in x.events) for x in same),
+                    1e3 * max(x.seconds for x in same),
+                    max(x.peak_bytes for x in same) / 2**20,
+                )
+            )
+        return out
+
+    HEAD = (
+        "module",
+        "type",
+        "phase",
+        "inputs",
+        "output",
+        "collectives",
+        "msgs",
+        "bytes",
+        "ms",
+        "MiB",
+    )
+
+    def table(self, width: int = 48) -> str:
+        """Text: one line per module and phase (numbers: max over ranks)."""
+        lines = [" | ".join(self.HEAD)]
+        for row in self._summary():
+            cells = [_cell(c)[:width] for c in row]
+            lines.append(" | ".join(cells))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        head = "".join(f"<th>{h}</th>" for h in self.HEAD)
+        body = "".join(
+            "<tr>"
+            + "".join(f"<td style='text-align:left'>{html.escape(_cell(c))}</td>" for c in row)
+            + "</tr>"
+            for row in self._summary()
+        )
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+    def to_json(self) -> str:
+        return json.dumps({"ranks": [[asdict(r) for r in rows] for rows in self.ranks]})
+
+    def plot(self, ax=None, max_rows: int | None = None):
+        """Modules down, ranks across: bytes each rank moved per module and phase
+        (colour, log scale), the count of messages / collectives written in each cell."""
+        import numpy as np
+
+        from shardlab.viz._common import require_matplotlib
+
+        require_matplotlib()
+        from matplotlib.figure import Figure
+
+        rows = self.ranks[0][:max_rows]
+        n = len(self.ranks)
+        data = np.zeros((len(rows), n))
+        text = [["" for _ in range(n)] for _ in rows]
+        for i in range(len(rows)):
+            for r in range(n):
+                rec = self.ranks[r][i]
+                data[i, r] = sum(e[1] for e in rec.events)
+                msgs = sum(1 for e in rec.events if e[0] in ("send", "recv"))
+                coll = len(rec.events) - msgs
+                text[i][r] = (f"{msgs}m " if msgs else "") + (f"{coll}c" if coll else "")
+        if ax is None:  # drawn at the size a notebook shows it (950 px wide), text >= 9 px
+            fig = Figure(figsize=(9.5, 1.0 + 0.24 * len(rows)), dpi=100, layout="constrained")
+            ax = fig.subplots()
+        im = ax.imshow(np.log10(data + 1), aspect="auto", cmap="Blues")
+        for i in range(len(rows)):
+            for r in range(n):
+                if text[i][r]:
+                    ax.text(r, i, text[i][r], ha="center", va="center", fontsize=8)
+        ax.set_yticks(
+            range(len(rows)),
+            [f"{'  ' * (x.depth - 1)}{x.name.rsplit('.', 1)[-1]} ({x.phase[0]})" for x in rows],
+            fontsize=8,
+        )
+        ax.set_xticks(range(n), [f"rank {r}" for r in range(n)], fontsize=9)
+        ax.xaxis.tick_top()
+        ax.figure.colorbar(im, ax=ax, label="log10(bytes + 1)", fraction=0.04)
+        ax.set_title("bytes per module and rank (m: messages, c: collectives)", fontsize=10)
+        return ax.figure

@@ -1,0 +1,92 @@
+"""``shardlab.explain`` on the real-models zoo: every module in call order, forward and
+backward, its layouts and the messages it caused; the totals equal a tracer around the
+same step; nothing stays hooked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.models import _zoo
+
+pytest.importorskip("transformers")
+
+
+def _body(name):
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        mesh, me = this_rank().mesh, this_rank().rank
+        if name in _zoo.DECODERS:
+            model = _zoo.decoder(name)
+            ids = torch.randint(
+                0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(0)
+            )
+            sizes = _zoo.uneven(_zoo.TOKENS[1], mesh.size())
+            make = lambda: {
+                "input_ids": (s := distribute(ids, mesh, [Shard(1)], sizes)),
+                "labels": s,
+            }  # noqa: E731
+        else:
+            model, kind = _zoo.vision(name)
+            b, _, h, w = _zoo.IMAGE
+            x = torch.randn(_zoo.IMAGE, generator=torch.Generator().manual_seed(0))
+            labels = (
+                torch.zeros(b, h, w, dtype=torch.long)
+                if kind == "seg"
+                else torch.ones(b, dtype=torch.long)
+            )
+            sizes = _zoo.uneven(h, mesh.size())
+            make = lambda: {
+                "pixel_values": distribute(x, mesh, [Shard(2)], sizes),
+                "labels": labels,
+            }  # noqa: E731
+        count = lambda: sum(
+            len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()
+        )  # noqa: E731
+        with shardlab.patched():  # transformers adds its own output hooks on a first call
+            model(**make())
+        before = count()
+        with shardlab.patched(), shardlab.trace() as outer:
+            ex = shardlab.explain(model, **make())
+        hooks = count() - before  # the model's own hooks stay, explain's are gone
+        fwd = [r.name for r in ex.rows(me) if r.phase == "forward"]
+        called = [n for n, _ in model.named_modules()]
+        ev = [e for e in outer.events if e.label != "explain gather"]
+        return {
+            "total": ex.totals(me),
+            "outer": {
+                "messages": sum(1 for e in ev if e.kind in ("send", "recv")),
+                "collectives": sum(1 for e in ev if e.kind not in ("send", "recv")),
+                "bytes": sum(e.bytes for e in ev),
+            },
+            # the model is called first, its modules after it, each once per phase
+            "order ok": fwd[0] == type(model).__name__
+            and len(set(fwd)) == len(fwd)
+            and set(fwd) <= set(called) | {type(model).__name__},
+            "backward rows": sum(1 for r in ex.rows(me) if r.phase == "backward"),
+            "with messages": sum(1 for r in ex.rows(me) if r.events),
+            "sharded inputs": sum(1 for r in ex.rows(me) if any("Shard(" in i for i in r.inputs)),
+            "json ranks": len(json.loads(ex.to_json())["ranks"]),
+            "table lines": len(ex.table().splitlines()),
+            "html": ex._repr_html_().startswith("<table>"),
+            "plot": ex.plot().get_size_inches()[0] * ex.plot().dpi,
+            "hooks": hooks,
+        }
+
+    return body
+
+
+@pytest.mark.parametrize("name", _zoo.VISION + _zoo.DECODERS)
+def test_explain_every_zoo_model(ranks_for, name):
+    per_rank = ranks_for(3).run(_body(name))
+    for r in per_rank:
+        assert r["total"] == r["outer"], r  # every message is attributed, once
+        assert r["order ok"] and r["backward rows"] > 0 and r["with messages"] > 0, r
+        assert r["sharded inputs"] > 0 and r["json ranks"] == 3 and r["html"], r
+        assert r["table lines"] > 5 and r["plot"] == 950 and r["hooks"] == 0, r
