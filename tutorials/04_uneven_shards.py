@@ -47,6 +47,7 @@ layout = ShardLayout.build((18, 3), (WORLD,), [Shard(0)], [SIZES])
 print(layout)
 viz.plot_placements(layout)
 
+
 # %%
 def make(sizes):
     mesh = shardlab.this_rank().mesh  # the 1-D mesh over all ranks
@@ -70,6 +71,7 @@ assert all(abs(mean - torch.arange(54.0).mean().item()) < 1e-5 for *_, mean in r
 # Often the data is loaded on one rank only. `scatter_tensor` sends each rank
 # *only its own block*; the tracer shows who received what.
 
+
 # %%
 def scatter(sizes):
     me = shardlab.this_rank().rank
@@ -90,6 +92,7 @@ for rank, (received, block) in enumerate(ranks.run(scatter, SIZES)):
 # columns every rank sends each other rank the part of its rows that falls in
 # the other rank's columns. 3 columns on 4 ranks leave the last one an empty
 # block, `(18, 0)`: nobody sends it anything.
+
 
 # %%
 def to_columns(sizes):
@@ -116,6 +119,16 @@ viz.plot_placements(results[0][3])
 
 # %%
 viz.plot_collectives(shardlab.trace.Trace([e for *_, events, _ in results for e in events]))
+
+# %% [markdown]
+# ## Your turn: the placement explorer
+#
+# Change the mesh (`4` or `2,2`), the placements (`Shard(0), Replicate()`), the shape
+# and the sizes of every piece, and watch who owns what. Try sizes that do not add up,
+# or a `Shard` of a dim the shape does not have: the error shows inside the widget.
+
+# %%
+viz.placement_explorer(mesh="4", placements="Shard(0)", shape="18,3", sizes="5,5,4,4")
 
 # %% [markdown]
 # Close the ranks.

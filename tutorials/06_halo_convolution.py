@@ -53,6 +53,7 @@ viz.plot_halos(SIZES, kernel_size=3, padding=1)
 # the halo convolution; the module itself is untouched. We compare with the same
 # convolution on one device, forward and backward.
 
+
 # %%
 def run_conv(sizes):
     torch.manual_seed(0)
@@ -102,10 +103,10 @@ viz.plot_collectives(trace)
 # into rank 0's last row.
 
 # %%
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # noqa: E402
 
-from shardlab.layout.neighborhood import neighbors
-from shardlab.ops.neighborhood import na2d
+from shardlab.layout.neighborhood import neighbors  # noqa: E402
+from shardlab.ops.neighborhood import na2d  # noqa: E402
 
 H_IMG, W_IMG, K = sum(SIZES), 8, 3
 q_row, q_col = SIZES[0], 4  # the first row of rank 1
@@ -138,6 +139,16 @@ na = ranks.run(run_na)
 assert all(same for same, _ in na)
 print("K/V rows received per rank (K and V together):", [rows for _, rows in na])
 assert [rows for _, rows in na] == [(r > 0) + (r < WORLD - 1) for r in range(WORLD)]
+
+# %% [markdown]
+# ## Your turn: the halo explorer
+#
+# Move the kernel size, stride, dilation and padding, or type uneven sizes, and watch which
+# rows each rank receives from its neighbours and how many bytes move (the table below the
+# figure). Try a shard smaller than the halo: the rows then come from two ranks away.
+
+# %%
+viz.halo_explorer(kernel=3, sizes="5,5,4,4")
 
 # %%
 ranks.close()

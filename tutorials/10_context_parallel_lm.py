@@ -37,8 +37,13 @@ S = 11  # tokens per sequence, cut unevenly over the ranks
 def tiny_llama():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     cfg._attn_implementation = "sdpa"
     return transformers.LlamaForCausalLM(cfg).double()
@@ -61,6 +66,7 @@ def batch():
 # never the whole `S × S` mask. The model call is the one you would write on one
 # device.
 
+
 # %%
 def step(sizes):
     from shardlab.lm import shard_batch
@@ -79,13 +85,25 @@ def step(sizes):
     same = torch.allclose(out.logits.full_tensor(), ref.logits) and all(
         torch.allclose(p.grad, want[n], rtol=1e-5, atol=1e-7) for n, p in model.named_parameters()
     )
-    return same, float(out.loss.detach().full_tensor()), sharded["attention_mask"].to_local().shape, t.events
+    return (
+        same,
+        float(out.loss.detach().full_tensor()),
+        sharded["attention_mask"].to_local().shape,
+        t.events,
+    )
 
 
 SIZES = [S // WORLD + (1 if r < S % WORLD else 0) for r in range(WORLD)]
 results = ranks.run(step, SIZES)
 assert all(same for same, *_ in results)
-print("tokens per rank:", SIZES, "| loss", results[0][1], "| mask rows on rank 0:", tuple(results[0][2]))
+print(
+    "tokens per rank:",
+    SIZES,
+    "| loss",
+    results[0][1],
+    "| mask rows on rank 0:",
+    tuple(results[0][2]),
+)
 
 # %% [markdown]
 # ## The ring, on the real model
@@ -109,6 +127,7 @@ _ = viz.plot_collectives(ring, ax=ax)
 # the **first label of its right neighbour**: one number per boundary, moved point to
 # point (the `redistribute` messages above that are not the ring).
 
+
 # %%
 def draw_shift(sizes):
     fig, ax = plt.subplots(figsize=(9, 1.8))
@@ -119,8 +138,12 @@ def draw_shift(sizes):
             ax.add_patch(plt.Rectangle((i, 0), 0.9, 0.9, color=colors[r], alpha=0.5))
             ax.text(i + 0.45, 0.35, str(i), ha="center", fontsize=9)
         if r < len(sizes) - 1:  # the neighbour's first label comes back one step
-            ax.annotate("", xy=(start + n - 0.55, 1.0), xytext=(start + n + 0.45, 1.0),
-                        arrowprops=dict(arrowstyle="->", color="k"))
+            ax.annotate(
+                "",
+                xy=(start + n - 0.55, 1.0),
+                xytext=(start + n + 0.45, 1.0),
+                arrowprops=dict(arrowstyle="->", color="k"),
+            )
         ax.text(start + n / 2, -0.45, f"rank {r}", ha="center", fontsize=9)
         start += n
     ax.set_xlim(-0.2, start + 0.2)
@@ -148,10 +171,12 @@ from shardlab.ops.attention import head_tail_order, head_tail_sizes  # noqa: E40
 L = 64
 contig = torch.arange(L)
 bal = head_tail_order(L, WORLD)
-parts = lambda order, sizes: [  # noqa: E731  (query, key) pairs each rank computes
-    int((order[None, :] <= order[s : s + n, None]).sum())
-    for s, n in zip(torch.tensor([0, *sizes]).cumsum(0).tolist(), sizes)
-]
+parts = (
+    lambda order, sizes: [  # noqa: E731  (query, key) pairs each rank computes
+        int((order[None, :] <= order[s : s + n, None]).sum())
+        for s, n in zip(torch.tensor([0, *sizes]).cumsum(0).tolist(), sizes)
+    ]
+)
 even = [L // WORLD] * WORLD
 fig, ax = plt.subplots(figsize=(6, 2.6))
 x = torch.arange(WORLD)
@@ -190,14 +215,18 @@ print("head-tail: logits and loss equal one device")
 # Every message names its mesh axis: the ring runs along `seq`, the row-wise layers'
 # all-reduces and the loss's two small all-reduces along `tp`. (Needs 4 ranks.)
 
+
 # %%
 def two_d():
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from shardlab.lm import shard_batch
 
@@ -208,9 +237,13 @@ def two_d():
     ref_loss = ref(input_ids=ids, labels=labels).loss
     p = "model.layers.0."
     plan = {p + f"self_attn.{n}_proj": ColwiseParallel() for n in "qkv"}
-    plan |= {p + "self_attn.o_proj": RowwiseParallel(), p + "mlp.down_proj": RowwiseParallel(),
-             p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
-             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    plan |= {
+        p + "self_attn.o_proj": RowwiseParallel(),
+        p + "mlp.down_proj": RowwiseParallel(),
+        p + "mlp.gate_proj": ColwiseParallel(),
+        p + "mlp.up_proj": ColwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
     parallelize_module(model, mesh["tp"], plan)
     with shardlab.patched(), shardlab.trace(mesh) as t:
         loss = model(**shard_batch(mesh, ids, labels=labels, mesh_dim=0)).loss

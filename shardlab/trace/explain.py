@@ -141,8 +141,8 @@ class Explainer:
         self._mem = _Memory(self.device).__enter__() if self.memory else None
         self.handles = []
         for m in self.names:
-            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+            self.handles.append(m.register_forward_pre_hook(_plain(self._pre), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(_plain(self._post), with_kwargs=True))
         return self
 
     def _record(self, module, phase) -> ModuleRecord:
@@ -178,15 +178,19 @@ class Explainer:
         self._tag_nodes(module, output, stop)
 
     def _tag_nodes(self, module, output, stop):
-        """Autograd nodes this module's forward made (not its children's: tagged first)."""
+        """Autograd nodes this module's forward made: from its outputs back to its inputs;
+        nodes its children made are tagged already (innermost first) and walked through."""
         name = self.names[module]
         todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        seen = set()
         while todo:
             node = todo.pop()
-            if node in stop or node in self.node_owner or type(node).__name__ == "AccumulateGrad":
+            if node in stop or node in seen or type(node).__name__ == "AccumulateGrad":
                 continue
-            self.node_owner[node] = name
-            node.register_prehook(self._node_hook(name, module))
+            seen.add(node)
+            if node not in self.node_owner:
+                self.node_owner[node] = name
+                node.register_prehook(self._node_hook(name, module))
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     def _node_hook(self, name, module):
@@ -242,6 +246,17 @@ class Explainer:
             dist.all_gather_object(everyone, mine)
         self.explanation = Explanation([[ModuleRecord(**r) for r in rows] for rows in everyone])
         return False
+
+
+def _plain(hook):
+    """``hook`` with subclass ``__torch_function__`` off: reading ``.shape`` or
+    ``.grad_fn`` of a ShardTensor in a hook should not run shardlab's op machinery."""
+
+    def run(*args, **kwargs):
+        with torch._C.DisableTorchFunctionSubclass():
+            return hook(*args, **kwargs)
+
+    return run
 
 
 def _tensors(tree):
@@ -359,10 +374,7 @@ class Explanation:
         (colour, log scale), the count of messages / collectives written in each cell."""
         import numpy as np
 
-        from shardlab.viz._common import require_matplotlib
-
-        require_matplotlib()
-        from matplotlib.figure import Figure
+        from shardlab.viz._common import make_figure
 
         rows = self.ranks[0][:max_rows]
         n = len(self.ranks)
@@ -376,8 +388,8 @@ class Explanation:
                 coll = len(rec.events) - msgs
                 text[i][r] = (f"{msgs}m " if msgs else "") + (f"{coll}c" if coll else "")
         if ax is None:  # drawn at the size a notebook shows it (950 px wide), text >= 9 px
-            fig = Figure(figsize=(9.5, 1.0 + 0.24 * len(rows)), dpi=100, layout="constrained")
-            ax = fig.subplots()
+            fig = make_figure((9.5, 1.0 + 0.24 * len(rows)))  # shows itself in Jupyter
+            ax = fig.add_subplot()
         im = ax.imshow(np.log10(data + 1), aspect="auto", cmap="Blues")
         for i in range(len(rows)):
             for r in range(n):
@@ -385,7 +397,7 @@ class Explanation:
                     ax.text(r, i, text[i][r], ha="center", va="center", fontsize=8)
         ax.set_yticks(
             range(len(rows)),
-            [f"{'  ' * (x.depth - 1)}{x.name.rsplit('.', 1)[-1]} ({x.phase[0]})" for x in rows],
+            [f"{'.'.join(x.name.split('.')[-2:])} ({x.phase[0]})" for x in rows],
             fontsize=8,
         )
         ax.set_xticks(range(n), [f"rank {r}" for r in range(n)], fontsize=9)

@@ -83,7 +83,26 @@ def make_figure(figsize: tuple[float, float]):
     fig.get_layout_engine().set(w_pad=0.12, h_pad=0.08)
     FigureCanvasAgg(fig)
     fig._repr_png_ = lambda: figure_png(fig)  # Jupyter displays the returned figure
+    fig._repr_html_ = lambda: wide_figure_html(fig)  # wider than a notebook: scroll
     return fig
+
+
+NOTEBOOK_PX = 950
+
+
+def wide_figure_html(fig) -> str | None:
+    """A figure wider than a notebook's output (950 px) as a horizontally scrolling image
+    at its own size (a long message timeline keeps readable labels instead of shrinking);
+    None for narrower figures (Jupyter then shows the PNG)."""
+    import base64
+
+    if fig.get_figwidth() * fig.dpi <= NOTEBOOK_PX:
+        return None
+    data = base64.b64encode(figure_png(fig)).decode()
+    return (
+        "<div style='overflow-x:auto; max-width:100%'>"
+        f"<img src='data:image/png;base64,{data}' style='max-width:none'></div>"
+    )
 
 
 def figure_png(fig, dpi: float | None = None) -> bytes:

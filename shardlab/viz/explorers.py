@@ -25,7 +25,13 @@ from .placements import plot_placements
 __all__ = ["HaloExplorer", "PlacementExplorer", "halo_explorer", "placement_explorer"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
-DPI = 72
+WIDTH_PX = 950  # a notebook's output width: images are drawn at the size they are shown
+
+
+def _dpi(fig) -> float:
+    """Draw at the size shown: at most 950 px wide, never below 72 dpi (10 pt text stays
+    >= 10 px), never stretched by the browser."""
+    return max(72.0, min(110.0, WIDTH_PX / fig.get_figwidth()))
 
 
 def _non_negative(name: str, value) -> int:
@@ -139,7 +145,11 @@ class _Explorer:
         self.error_message = None
         self.error.value = ""
         self.figure = fig
-        self.image.value = figure_png(fig, dpi=DPI)
+        dpi = _dpi(fig)
+        self.image.value = figure_png(fig, dpi=dpi)
+        # the PNG's own width: the browser shows it 1:1 (no 1.7x stretch, no soft text)
+        self.image.layout.width = f"{round(fig.get_figwidth() * dpi)}px"
+        self.image.layout.max_width = "none"
         self.table.value = self._table(fig)
         return fig
 
