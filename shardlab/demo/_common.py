@@ -116,9 +116,9 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if any(isinstance(t, DTensor) for t in inputs):
+        if any(issubclass(t, DTensor) for t in types):  # the subclasses among the arguments
             return NotImplemented  # let ShardTensor run its local ops (seen here) first
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out = func(*args, **(kwargs or {}))
         known = {t.untyped_storage().data_ptr() for t in inputs}
         for t in tree_leaves(out):

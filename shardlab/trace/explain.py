@@ -77,10 +77,8 @@ def _describe(x) -> str | None:
 
 
 def _layouts(args, kwargs) -> list[str]:
-    from torch.utils._pytree import tree_leaves
-
-    out = [_describe(a) for a in tree_leaves((args, kwargs))]
-    return [d for d in out if d is not None][:4]
+    out = [_describe(a) for a in _tensors((args, kwargs))[:4]]
+    return [d for d in out if d is not None]
 
 
 class _Memory:
@@ -259,15 +257,17 @@ def _plain(hook):
     return run
 
 
-def _tensors(tree):
-    from torch.utils._pytree import tree_leaves
-
-    out = []
-    for x in tree_leaves(tree):
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif hasattr(x, "values") and callable(x.values):  # transformers' ModelOutput
-            out.extend(v for v in x.values() if isinstance(v, torch.Tensor))
+def _tensors(tree, out=None) -> list:
+    """The tensors in nested tuples/lists/dicts (and transformers' ModelOutput)."""
+    out = [] if out is None else out
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            _tensors(x, out)
+    elif isinstance(tree, dict) or (hasattr(tree, "values") and callable(tree.values)):
+        for x in tree.values():
+            _tensors(x, out)
     return out
 
 

@@ -120,7 +120,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
+        if any(issubclass(t, DTensor) for t in types):  # the subclasses among the arguments
             return NotImplemented  # let DTensor desugar into plain ops and collectives first
         ns = func.namespace
         table = (
