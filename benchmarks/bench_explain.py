@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def body(name, reps):
+def body(name, reps, big):
     import statistics
     import time
 
@@ -37,16 +37,18 @@ def body(name, reps):
     mesh = this_rank().mesh
     if name in _zoo.DECODERS:
         model = _zoo.decoder(name)
-        ids = torch.randint(0, _zoo.VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
-        sizes = _zoo.uneven(64, mesh.size())
+        seq = 512 if big else 64
+        ids = torch.randint(0, _zoo.VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
+        sizes = _zoo.uneven(seq, mesh.size())
 
         def batch():
             s = distribute(ids, mesh, [Shard(1)], sizes)
             return {"input_ids": s, "labels": s}
     else:
         model, kind = _zoo.vision(name)
-        x = torch.randn(_zoo.IMAGE, generator=torch.Generator().manual_seed(0))
-        b, _, h, w = _zoo.IMAGE
+        image = (2, 3, 128, 128) if big and name in ("resnet", "convnext") else _zoo.IMAGE
+        x = torch.randn(image, generator=torch.Generator().manual_seed(0))
+        b, _, h, w = image
         labels = torch.ones(b, dtype=torch.long) if kind == "cls" else torch.zeros(b, h, w).long()
         sizes = _zoo.uneven(h, mesh.size())
 
@@ -91,19 +93,25 @@ def main() -> None:
         f"{a.ranks} gloo ranks, step = forward + backward of the model's loss, median of "
         f"{a.reps}, slowest rank\n"
     )
-    print("| model | off ms | explain on ms | overhead | on, no memory ms | overhead |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | input | off ms | explain on ms | overhead | on, no memory ms | overhead |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     with shardlab.Ranks(a.ranks) as ranks:
         for name in a.models.split(","):
-            r = ranks.run(body, name, a.reps)[0]
-            off = r["off"]
-            print(
-                f"| {name} | {1e3 * off:.0f} | {1e3 * r['on']:.0f} | "
-                f"{100 * (r['on'] / off - 1):+.0f} % | {1e3 * r['on, no memory']:.0f} | "
-                f"{100 * (r['on, no memory'] / off - 1):+.0f} % |",
-                flush=True,
-            )
-
+            for big in (False, True):
+                if big and name not in ("resnet", "convnext", "llama", "qwen2"):
+                    continue
+                r = ranks.run(body, name, a.reps, big)[0]
+                off, on, lean = r["off"], r["on"], r["on, no memory"]
+                if name in ("llama", "qwen2"):
+                    size = "S = 512" if big else "S = 64"
+                else:
+                    size = "128 x 128" if big else "32 x 32"
+                print(
+                    f"| {name} | {size} | {1e3 * off:.0f} | {1e3 * on:.0f} | "
+                    f"{100 * (on / off - 1):+.0f} % | {1e3 * lean:.0f} | "
+                    f"{100 * (lean / off - 1):+.0f} % |",
+                    flush=True,
+                )
 
 if __name__ == "__main__":
     main()

@@ -102,6 +102,12 @@ def _group_ranks(pg) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(pg)), pg
 
 
+def _dtensor():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 class _Recorder(TorchDispatchMode):
     """Appends one :class:`Event` per communication op to ``self.events``."""
 
@@ -118,9 +124,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):  # the subclasses among the arguments
+        if any(issubclass(t, _dtensor()) for t in types):  # the subclasses among the arguments
             return NotImplemented  # let DTensor desugar into plain ops and collectives first
         ns = func.namespace
         table = (

@@ -1,0 +1,167 @@
+"""Every tutorial in a real browser: JupyterLab, Chromium, Run All.
+
+For each notebook: open it in JupyterLab (headless Chromium driven by playwright, Debian's
+``/usr/bin/chromium``, no browser download), Run All, wait until the kernel is idle, then
+assert that every code cell ran (numbered prompt), no cell shows an error, every image is
+drawn (natural width > 0), and in the notebooks with an explorer the widget's DOM is there
+and changing a control changes its figure. A screenshot of each notebook goes to
+``tutorials/images/browser/``.
+
+Needs ``/usr/bin/chromium`` (``apt-get install chromium``) and ``pip install playwright``
+(never ``playwright install``); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+TUTORIALS = sorted(ROOT.joinpath("tutorials").glob("[0-9]*.ipynb"))
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = ROOT / "tutorials" / "images" / "browser"
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip(
+        f"no browser: {CHROMIUM} is not installed (apt-get install chromium)",
+        allow_module_level=True,
+    )
+playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+
+# notebook -> (a control to change, how) for the explorers
+EXPLORERS = {
+    "04_uneven_shards": ("text", "5,5,4,4", "9,3,3,3"),
+    "06_halo_convolution": ("slider", None, None),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on the tutorials folder (a copy: Run All does not dirty them)."""
+    work = tmp_path_factory.mktemp("lab")
+    for f in ROOT.joinpath("tutorials").iterdir():
+        if f.is_file():
+            shutil.copy(f, work / f.name)
+    port, token = _free_port(), secrets.token_hex(8)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--allow-root", "--no-browser",
+         "--ip", "127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={work}", "--LabApp.news_url=",
+         "--ServerApp.disable_check_xsrf=True"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work,
+    )  # fmt: skip
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("JupyterLab did not start in 60 s")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"],
+        )  # fmt: skip
+        try:
+            yield browser, f"http://127.0.0.1:{port}", token
+        finally:
+            browser.close()
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def _run_all(page, timeout_s: float) -> None:
+    page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+    page.get_by_text("| Idle").first.wait_for(timeout=120_000)  # the kernel is up
+    prompts = page.locator(".jp-CodeCell .jp-InputPrompt")
+    for _ in range(5):  # a click before the front end is ready can be lost: retry
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.locator("[data-command='runmenu:run-all']").click()
+        started = time.time() + 20
+        while time.time() < started:
+            if prompts.evaluate_all("els => els.some(e => /\\[(\\*|\\d+)\\]/.test(e.textContent))"):
+                break
+            time.sleep(0.5)
+        else:
+            continue
+        break
+    deadline = time.time() + timeout_s
+    time.sleep(2)
+    while time.time() < deadline:
+        busy = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() == 0
+        pending = page.locator(".jp-CodeCell .jp-InputPrompt").evaluate_all(
+            "els => els.filter(e => !/\\[\\d+\\]/.test(e.textContent)).length"
+        )
+        if not busy and pending == 0:
+            return
+        time.sleep(1)
+    prompts = page.locator(".jp-CodeCell .jp-InputPrompt").evaluate_all(
+        "els => els.map(e => e.textContent)"
+    )
+    raise AssertionError(f"Run All did not finish in {timeout_s} s: prompts {prompts}")
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_tutorial_in_the_browser(lab, path):
+    browser, url, token = lab
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(f"{url}/lab/tree/{path.name}?token={token}&reset")
+        _run_all(page, timeout_s=240)
+        errors = page.locator(".jp-OutputArea-output").evaluate_all(
+            "els => els.filter(e => /Traceback \\(most recent call last\\)|Error: /"
+            ".test(e.innerText) && e.dataset.mimeType === 'application/vnd.jupyter.stderr')"
+            ".map(e => e.innerText.slice(0, 400))"
+        )
+        assert errors == [], errors
+        sizes = page.locator(".jp-OutputArea-output img").evaluate_all(
+            "els => els.map(e => e.naturalWidth)"
+        )
+        assert sizes and all(w > 0 for w in sizes), sizes  # every figure is drawn
+        if path.stem in EXPLORERS:
+            _play(page, *EXPLORERS[path.stem])
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"{path.stem}.png"), full_page=False)
+    finally:
+        page.close()
+
+
+def _play(page, kind, old, new):
+    """The explorer's DOM is there, and changing a control changes its figure."""
+    image = page.locator("img.widget-image").last
+    image.scroll_into_view_if_needed()
+    before = image.get_attribute("src")
+    assert before, "the explorer shows no figure"
+    if kind == "text":
+        boxes = page.locator(".widget-text input").all()
+        target = next(b for b in boxes if b.input_value() == old)
+        target.fill(new)
+        target.press("Enter")
+    else:
+        handle = page.locator(".widget-slider .noUi-handle, .widget-slider .ui-slider-handle")
+        handle.first.scroll_into_view_if_needed()
+        handle.first.focus()
+        handle.first.press("ArrowRight")
+        handle.first.press("ArrowRight")
+    deadline = time.time() + 30
+    while time.time() < deadline and image.get_attribute("src") == before:
+        time.sleep(0.5)
+    assert image.get_attribute("src") != before, "the figure did not change"
