@@ -88,6 +88,14 @@ def lab(tmp_path_factory):
             proc.wait(timeout=30)
 
 
+# code cells with source whose prompt is not numbered yet (empty cells never run)
+PENDING = """cells => cells.filter(c => {
+    const src = c.querySelector('.cm-content');
+    const prompt = c.querySelector('.jp-InputPrompt');
+    return src && src.innerText.trim() && prompt && !/\\[\\d+\\]/.test(prompt.textContent);
+}).length"""
+
+
 def _run_all(page, timeout_s: float) -> None:
     page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
     page.get_by_text("| Idle").first.wait_for(timeout=120_000)  # the kernel is up
@@ -107,9 +115,7 @@ def _run_all(page, timeout_s: float) -> None:
     time.sleep(2)
     while time.time() < deadline:
         busy = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() == 0
-        pending = page.locator(".jp-CodeCell .jp-InputPrompt").evaluate_all(
-            "els => els.filter(e => !/\\[\\d+\\]/.test(e.textContent)).length"
-        )
+        pending = page.locator(".jp-CodeCell").evaluate_all(PENDING)
         if not busy and pending == 0:
             return
         time.sleep(1)
