@@ -88,7 +88,7 @@ def main() -> None:
 
     import shardlab
 
-    with shardlab.Ranks(a.ranks) as ranks:
+    with shardlab.Ranks(a.ranks, timeout=1800) as ranks:  # rank 0 alone runs one device
         rows = ranks.run(body, a.size, a.kernel, a.heads, a.dim, a.reps)[0]
     tokens = a.size * a.size
     print(
