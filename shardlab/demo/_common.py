@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from shardlab.trace.memory import LiveBytes  # noqa: F401  (demos and benchmarks use it here)
 
 # The check: max |sharded - single| / max |single| over every checked tensor (float32).
 # The same sums in another order (a weight gradient adds ~10^6 float32 terms) differ by
@@ -99,49 +98,6 @@ def peak_bytes(step: Callable, device) -> int:
     with LiveBytes() as live:
         step()
     return live.peak
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensor storages created inside the block that are alive at once.
-
-    Sees every op torch runs (forward and backward, ShardTensor ops as their local ops);
-    an output whose storage is new counts its bytes until its last tensor is freed.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, list[int]] = {}  # storage address -> [tensors alive, bytes]
-        self.now = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):  # the subclasses among the arguments
-            return NotImplemented  # let ShardTensor run its local ops (seen here) first
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        out = func(*args, **(kwargs or {}))
-        known = {t.untyped_storage().data_ptr() for t in inputs}
-        for t in tree_leaves(out):
-            if type(t) is not torch.Tensor or not t.untyped_storage().data_ptr():
-                continue
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.live:
-                if ptr in known:
-                    continue  # a view of, or written into, a tensor made before the block
-                self.live[ptr] = [0, t.untyped_storage().nbytes()]
-                self.now += self.live[ptr][1]
-                self.peak = max(self.peak, self.now)
-            self.live[ptr][0] += 1
-            weakref.finalize(t, self._drop, ptr)
-        return out
-
-    def _drop(self, ptr: int) -> None:
-        entry = self.live.get(ptr)
-        if entry is not None:
-            entry[0] -= 1
-            if entry[0] == 0:
-                self.now -= entry[1]
-                del self.live[ptr]
 
 
 def rel_error(pairs) -> float:

@@ -90,7 +90,7 @@ class _Memory:
 
     def __enter__(self):
         if not self.cuda:
-            from shardlab.demo._common import LiveBytes
+            from shardlab.trace.memory import LiveBytes
 
             self.mode = LiveBytes().__enter__()
         return self
