@@ -306,6 +306,8 @@ def _lift_trainable(args, kwargs):
 
     leaves = tree_leaves((args, kwargs))
     shards = [a for a in leaves if isinstance(a, ShardTensor)]
+    if not shards:  # the ShardTensor sits in a container pytree does not open
+        return args, kwargs
     mesh = max((a.device_mesh for a in shards), key=lambda m: m.ndim)
     plain = any(
         isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.requires_grad
