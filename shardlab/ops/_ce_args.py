@@ -62,13 +62,6 @@ def rows_layout(layout: ShardLayout, cd: int) -> ShardLayout:
     return select_dims_layout(rows, [d for d in range(len(layout.global_shape)) if d != cd])
 
 
-def build_sizes(sizes) -> list:
-    """Canonical ``ShardLayout.sizes`` in the form ``from_local`` / ``build`` take."""
-    return [
-        None if e is None else list(e[0]) if len(e) == 1 else [list(s) for s in e] for e in sizes
-    ]
-
-
 def describe(layout: ShardLayout) -> str:
     return ", ".join(
         format_sizes(p, layout.sizes_along(p.dim) if isinstance(p, Shard) else None, m)

@@ -48,7 +48,7 @@ from shardlab.layout import ShardLayout, chunk_sizes, offsets
 from shardlab.ops._ring import RingAttention, RingPlan
 from shardlab.ops.halo import peers_along
 from shardlab.ops.registry import register
-from shardlab.tensor.api import stride_like
+from shardlab.tensor.api import build_sizes, stride_like
 
 __all__ = [
     "balance",
@@ -192,9 +192,7 @@ def scaled_dot_product_attention(
 
     # 4. compute, and wrap the output like the query
     out_l = RingAttention.apply(q_l, k_l, v_l, plan)  # (B, H_q, S_local_q, D_v)
-    sizes = [
-        None if e is None else list(e[0]) if len(e) == 1 else [list(x) for x in e] for e in ql.sizes
-    ]
+    sizes = build_sizes(ql.sizes)
     shape = (*query.shape[:-1], value.shape[-1])
     stride = stride_like(query.stride(), shape)  # laid out like the query, as torch's
     return ShardTensor.from_local(

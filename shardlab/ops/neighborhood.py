@@ -101,6 +101,7 @@ def _index(nb, rows, device):
 def _sharded(q, k, v, ks, ds, causal, scale, n):
     from shardlab.ops.halo import Halo, peers_along
     from shardlab.tensor import ShardTensor
+    from shardlab.tensor.api import build_sizes
     from shardlab.tensor.comm import my_coord
 
     if not isinstance(q, ShardTensor):
@@ -145,11 +146,8 @@ def _sharded(q, k, v, ks, ds, causal, scale, n):
         index.append(_index(nb[a:b], plan.rows[me], kv.device))
     dk = k.shape[-1]
     out = _NA.apply(q.to_local(), kv[..., :dk], kv[..., dk:], index, scale)
-    sizes = [
-        None if e is None else list(e[0]) if len(e) == 1 else [list(x) for x in e]
-        for e in lay.sizes
-    ]
     shape = (*q.shape[:-1], v.shape[-1])
+    sizes = build_sizes(lay.sizes)
     return ShardTensor.from_local(out, mesh, lay.placements, sizes, shape=shape, validate=False)
 
 

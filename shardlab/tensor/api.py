@@ -231,7 +231,7 @@ class ShardTensor(DTensor):
             )
         places = list(self._layout.placements)
         new = _placements(placements, sub)
-        want: list = [_sizes_arg(self._layout, m) for m in range(mesh.ndim)]
+        want = build_sizes(self._layout.sizes)
         for i, d in enumerate(dims):
             places[d] = new[i]
             want[d] = None if sizes is None else sizes[i]
@@ -383,12 +383,11 @@ def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
 
 
 # -- helpers ----------------------------------------------------------------
-def _sizes_arg(layout: ShardLayout, m: int):
-    """``sizes`` entry of mesh dim ``m`` for ``ShardLayout.build``."""
-    e = layout.sizes[m]
-    if e is None:
-        return None
-    return list(e[0]) if len(e) == 1 else [list(x) for x in e]
+def build_sizes(sizes) -> list:
+    """Canonical ``ShardLayout.sizes`` in the form ``from_local`` / ``build`` take."""
+    return [
+        None if e is None else list(e[0]) if len(e) == 1 else [list(s) for s in e] for e in sizes
+    ]
 
 
 def _mesh(mesh):

@@ -99,9 +99,6 @@ class _Memory:
         if self.mode is not None:
             self.mode.__exit__(*exc)
 
-    def now(self) -> int:
-        return torch.cuda.memory_allocated() if self.cuda else self.mode.now
-
     def reset_peak(self) -> int:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
