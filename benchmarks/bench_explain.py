@@ -1,14 +1,16 @@
 """What ``shardlab.explain`` costs: a training step's time with it off, on, and on without
 the memory column.
 
-Run: ``python benchmarks/bench_explain.py [--ranks 3] [--models resnet,llama] [--reps 5]``.
+Run: ``python benchmarks/bench_explain.py [--ranks 3] [--models resnet,llama] [--reps 9]``.
 
-Models of the zoo (``tests/models/_zoo.py``), float32, input cut along H (vision) or the
-sequence (decoders); a step is forward + backward of the model's loss under
+Models of the zoo (``tests/models/_zoo.py``, hidden sizes 8-16) and two wider ones
+(``resnet-wide``: hidden 32/64 on 128 x 128; ``llama-wide``: hidden 128, 2 layers,
+S = 1024), float32, input cut along H (vision) or the sequence (decoders); a step is forward + backward of the model's loss under
 ``shardlab.patched()``. "off" is the plain step (explain installs nothing until called);
-"on" wraps the step in ``shardlab.explain(model)``: module hooks, autograd-node hooks,
-the tracer, and (memory) a dispatch mode counting live tensor bytes. Median of ``reps``
-steps after a warm-up, slowest rank.
+"on" wraps the step in ``shardlab.explain(model)``: module hooks, autograd-node hooks and
+the tracer's dispatch mode, which also counts live tensor bytes (CPU memory);
+"on, memory=False" leaves that count out. The three modes run interleaved, ``reps``
+rounds after a warm-up; median per mode, slowest rank.
 """
 
 from __future__ import annotations
@@ -35,7 +37,43 @@ def body(name, reps, big):
 
     torch.set_num_threads(1)
     mesh = this_rank().mesh
-    if name in _zoo.DECODERS:
+    if name == "llama-wide":  # hidden 128, 2 layers: each op does some work
+        import transformers as tf
+
+        torch.manual_seed(0)
+        cfg = tf.LlamaConfig(
+            vocab_size=_zoo.VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+        )
+        cfg._attn_implementation = "sdpa"
+        model = _zoo._no_randomness(tf.LlamaForCausalLM(cfg))
+        seq = 1024
+        ids = torch.randint(0, _zoo.VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
+        sizes = _zoo.uneven(seq, mesh.size())
+
+        def batch():
+            s = distribute(ids, mesh, [Shard(1)], sizes)
+            return {"input_ids": s, "labels": s}
+    elif name == "resnet-wide":  # hidden sizes 32, 64 on a 128 x 128 image
+        import transformers as tf
+
+        torch.manual_seed(0)
+        cfg = tf.ResNetConfig(
+            embedding_size=32, hidden_sizes=[32, 64], depths=[1, 1], layer_type="basic"
+        )
+        model = _zoo._no_randomness(tf.ResNetForImageClassification(cfg))
+        x = torch.randn(2, 3, 128, 128, generator=torch.Generator().manual_seed(0))
+        labels = torch.ones(2, dtype=torch.long)
+        sizes = _zoo.uneven(128, mesh.size())
+
+        def batch():
+            return {"pixel_values": distribute(x, mesh, [Shard(2)], sizes), "labels": labels}
+    elif name in _zoo.DECODERS:
         model = _zoo.decoder(name)
         seq = 512 if big else 64
         ids = torch.randint(0, _zoo.VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
@@ -67,24 +105,25 @@ def body(name, reps, big):
 
         return run
 
-    out = {}
-    for mode, fn in (("off", step), ("on", explained(True)), ("on, no memory", explained(False))):
+    modes = {"off": step, "on": explained(True), "on, memory=False": explained(False)}
+    times: dict = {mode: [] for mode in modes}
+    for fn in modes.values():
         fn()  # warm-up
-        times = []
-        for _ in range(reps):
+    for _ in range(reps):  # interleaved: a slow moment of the machine hits every mode
+        for mode, fn in modes.items():
             dist.barrier()
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        out[mode] = max(gather(statistics.median(times)))
+            times[mode].append(time.perf_counter() - t0)
+    out = {mode: max(gather(statistics.median(t))) for mode, t in times.items()}
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=3)
-    p.add_argument("--models", default="resnet,vit,llama")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--models", default="resnet,vit,llama,resnet-wide,llama-wide")
+    p.add_argument("--reps", type=int, default=9)
     a = p.parse_args()
 
     import shardlab
@@ -93,18 +132,19 @@ def main() -> None:
         f"{a.ranks} gloo ranks, step = forward + backward of the model's loss, median of "
         f"{a.reps}, slowest rank\n"
     )
-    print("| model | input | off ms | explain on ms | overhead | on, no memory ms | overhead |")
+    print("| model | input | off ms | explain on ms | overhead | on, memory=False ms | overhead |")
     print("|---|---|---:|---:|---:|---:|---:|")
     with shardlab.Ranks(a.ranks) as ranks:
         for name in a.models.split(","):
             for big in (False, True):
                 if big and name not in ("resnet", "convnext", "llama", "qwen2"):
                     continue
+                size = {"resnet-wide": "128 x 128", "llama-wide": "S = 1024"}.get(name)
                 r = ranks.run(body, name, a.reps, big)[0]
-                off, on, lean = r["off"], r["on"], r["on, no memory"]
-                if name in ("llama", "qwen2"):
+                off, on, lean = r["off"], r["on"], r["on, memory=False"]
+                if size is None and name in ("llama", "qwen2"):
                     size = "S = 512" if big else "S = 64"
-                else:
+                elif size is None:
                     size = "128 x 128" if big else "32 x 32"
                 print(
                     f"| {name} | {size} | {1e3 * off:.0f} | {1e3 * on:.0f} | "
@@ -112,6 +152,7 @@ def main() -> None:
                     f"{100 * (lean / off - 1):+.0f} % |",
                     flush=True,
                 )
+
 
 if __name__ == "__main__":
     main()

@@ -18,9 +18,10 @@ How it attributes (no change to the model, hooks removed on exit):
    (innermost first); a pre-hook on the node names the module while the node runs, so a
    gradient's halo or all-reduce lands on the module whose forward caused it;
 3. time: between a module's hooks (forward, inclusive of its children) and between node
-   pre-hooks (backward); memory: live tensor bytes (``LiveBytes`` on CPU, the CUDA
-   allocator on GPU), the peak while the module ran above what was live when it began;
-4. on exit, every rank's rows are gathered (one ``all_gather_object``, after the
+   pre-hooks (backward); memory: the peak while the module ran above what was live when
+   it began (the CUDA allocator; on CPU, live tensor bytes counted by the tracer's
+   dispatch mode);
+4. on exit, every rank's rows are gathered (one ``all_gather``, after the
    explanation's own trace; an outer ``shardlab.trace()`` sees it labelled
    ``explain gather``), so each rank holds the numbers of all ranks.
 """
@@ -49,7 +50,7 @@ class ModuleRecord:
     outputs: list[str] = field(default_factory=list)
     events: list[tuple] = field(default_factory=list)  # (kind, bytes, peer, mesh_dim, label)
     seconds: float = 0.0
-    peak_bytes: int = 0
+    peak_bytes: int | None = 0  # None: not measured (``memory=False``)
 
     @property
     def bytes_received(self) -> int:
@@ -58,56 +59,44 @@ class ModuleRecord:
         )
 
 
-def _describe(x) -> str | None:
+def _snapshot(tensors) -> list:
+    """What a module saw, cheaply (formatted on exit): (shape, ShardLayout or None)."""
     from shardlab.tensor import ShardTensor
 
-    if isinstance(x, ShardTensor):
-        lay, parts = x.sharding, []
-        for m, p in enumerate(lay.placements):
-            sizes = lay.sizes[m]
-            if hasattr(p, "dim") and type(p).__name__ == "Shard":
-                name = f"Shard({p.dim})"
-            else:
-                name = f"{type(p).__name__}()"
-            parts.append(name + (f" {list(sizes[0])}" if sizes and len(sizes) == 1 else ""))
-        return f"{tuple(x.shape)} " + ", ".join(parts)
-    if isinstance(x, torch.Tensor):
-        return f"{tuple(x.shape)} plain"
-    return None
+    return [(tuple(t.shape), t.sharding if isinstance(t, ShardTensor) else None) for t in tensors]
 
 
-def _layouts(args, kwargs) -> list[str]:
-    out = [_describe(a) for a in _tensors((args, kwargs))[:4]]
-    return [d for d in out if d is not None]
+def _describe(shape, lay) -> str:
+    """``(2, 3, 32, 32) Shard(2) [13, 8, 11]``, or ``(2, 3) plain``."""
+    if lay is None:
+        return f"{shape} plain"
+    parts = []
+    for m, p in enumerate(lay.placements):
+        sizes = lay.sizes[m]
+        name = f"Shard({p.dim})" if type(p).__name__ == "Shard" else f"{type(p).__name__}()"
+        parts.append(name + (f" {list(sizes[0])}" if sizes and len(sizes) == 1 else ""))
+    return f"{shape} " + ", ".join(parts)
 
 
 class _Memory:
-    """Live tensor bytes now (CPU: a LiveBytes mode; CUDA: the allocator)."""
+    """Live tensor bytes now: the CUDA allocator, or on CPU a :class:`LiveCount` fed by
+    the tracer's dispatch mode (it sees every op already)."""
 
     def __init__(self, device):
+        from shardlab.trace.memory import LiveCount
+
         self.cuda = device.type == "cuda"
-        self.mode = None
-
-    def __enter__(self):
-        if not self.cuda:
-            from shardlab.trace.memory import LiveBytes
-
-            self.mode = LiveBytes().__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.mode is not None:
-            self.mode.__exit__(*exc)
+        self.count = None if self.cuda else LiveCount()
 
     def reset_peak(self) -> int:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             return torch.cuda.memory_allocated()
-        self.mode.peak = self.mode.now
-        return self.mode.now
+        self.count.peak = self.count.now
+        return self.count.now
 
     def peak(self) -> int:
-        return torch.cuda.max_memory_allocated() if self.cuda else self.mode.peak
+        return torch.cuda.max_memory_allocated() if self.cuda else self.count.peak
 
 
 class Explainer:
@@ -128,12 +117,12 @@ class Explainer:
         self.names = {m: n or type(m).__name__ for n, m in self.model.named_modules()}
         self.stack: list[tuple[torch.nn.Module, float, int, set]] = []
         self.marks: list[tuple[int, str]] = []  # (event index, owner) in time order
-        self.node_owner: dict = {}
+        self.node_frontier: dict = {}  # node -> where the walk that tagged it stopped
         self.back_owner: str | None = None
         self.back_since = 0.0
-        self._trace = trace()
+        self._mem = _Memory(self.device) if self.memory else None
+        self._trace = trace(live=self._mem.count if self._mem else None)
         self.t = self._trace.__enter__()
-        self._mem = _Memory(self.device).__enter__() if self.memory else None
         self.handles = []
         for m in self.names:
             self.handles.append(m.register_forward_pre_hook(_plain(self._pre), with_kwargs=True))
@@ -147,12 +136,15 @@ class Explainer:
             self.records[key] = ModuleRecord(
                 name, type(module).__name__, phase, len(self.records), name.count(".") + 1
             )
+            if self._mem is None:
+                self.records[key].peak_bytes = None
         return self.records[key]
 
     def _pre(self, module, args, kwargs):
         rec = self._record(module, "forward")
-        rec.inputs = _layouts(args, kwargs)
-        grad_fns = {a.grad_fn for a in _tensors((args, kwargs)) if a.grad_fn is not None}
+        tensors = _tensors((args, kwargs))
+        rec.inputs = _snapshot(tensors[:4])  # strings on exit
+        grad_fns = {a.grad_fn for a in tensors if a.grad_fn is not None}
         if self._mem and self.stack:  # the parent's peak so far, before the reset
             self.stack[-1][4] = max(self.stack[-1][4], self._mem.peak())
         base = self._mem.reset_peak() if self._mem else 0
@@ -162,7 +154,8 @@ class Explainer:
     def _post(self, module, args, kwargs, output):
         _, start, base, stop, children = self.stack.pop()
         rec = self._record(module, "forward")
-        rec.outputs = _layouts((output,), {})
+        tensors = _tensors(output)
+        rec.outputs = _snapshot(tensors[:1])
         rec.seconds += time.perf_counter() - start
         if self._mem:  # [4]: the highest peak of this module's children
             top = max(self._mem.peak(), children)
@@ -170,22 +163,32 @@ class Explainer:
             if self.stack:
                 self.stack[-1][4] = max(self.stack[-1][4], top)
         self.marks.append((len(self.t.events), self.names[self.stack[-1][0]] if self.stack else ""))
-        self._tag_nodes(module, output, stop)
+        self._tag_nodes(module, tensors, stop)
 
-    def _tag_nodes(self, module, output, stop):
-        """Autograd nodes this module's forward made: from its outputs back to its inputs;
-        nodes its children made are tagged already (innermost first) and walked through."""
+    def _tag_nodes(self, module, outputs, stop):
+        """Tag the autograd nodes this module's forward made: from its outputs back to its
+        inputs' nodes (``stop``). A node an inner module (or an earlier one) tagged already
+        is not walked again: the walk jumps to where that module's walk stopped (its
+        ``frontier``), so each node is visited about once however deep the modules nest."""
         name = self.names[module]
-        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-        seen = set()
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        seen, frontier = set(), []
         while todo:
             node = todo.pop()
-            if node in stop or node in seen or type(node).__name__ == "AccumulateGrad":
+            if node in seen:
                 continue
             seen.add(node)
-            if node not in self.node_owner:
-                self.node_owner[node] = name
-                node.register_prehook(self._node_hook(name, module))
+            if node in stop:
+                frontier.append(node)
+                continue
+            done = self.node_frontier.get(node)
+            if done is not None:  # tagged by an inner/earlier module: skip its part
+                todo.extend(done)
+                continue
+            if type(node).__name__ == "AccumulateGrad":
+                continue
+            self.node_frontier[node] = frontier  # complete when this walk ends
+            node.register_prehook(self._node_hook(name, module))
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     def _node_hook(self, name, module):
@@ -209,8 +212,6 @@ class Explainer:
             self.records[(self.back_owner, "backward")].seconds += (
                 time.perf_counter() - self.back_since
             )
-        if self._mem:
-            self._mem.__exit__(*exc)
         self._trace.__exit__(*exc)
         if exc[0] is not None:
             return False
@@ -227,20 +228,55 @@ class Explainer:
                     ("(outside modules)", key[1]),
                     ModuleRecord("(outside modules)", "", key[1], 10**6, 0),
                 )
+                rec.peak_bytes = rec.peak_bytes if self._mem else None
             rec.events.append((e.kind, e.bytes, e.peer, e.mesh_dim, e.label))
-        import torch.distributed as dist
 
+        for r in self.records.values():  # the layouts seen, as text
+            r.inputs = [_describe(*x) for x in r.inputs]
+            r.outputs = [_describe(*x) for x in r.outputs]
         mine = [
-            asdict(r)
+            dict(vars(r))
             for r in sorted(self.records.values(), key=lambda r: (r.phase != "forward", r.order))
         ]
-        everyone: list = [None] * dist.get_world_size()
         from shardlab.trace import label
 
         with label("explain gather"):  # after its own trace: not in the explanation
-            dist.all_gather_object(everyone, mine)
+            everyone = _gather(mine, self.device)
         self.explanation = Explanation([[ModuleRecord(**r) for r in rows] for rows in everyone])
         return False
+
+
+_ROOM = 1 << 18  # bytes each rank sends in the first round of _gather
+
+
+def _gather(rows, device) -> list:
+    """Every rank's ``rows``, on every rank: one ``all_gather`` of a fixed-size buffer
+    (length + pickled rows) when they fit in 256 KiB, which every rank then knows; a
+    second round at the largest size when any does not (``all_gather_object`` always
+    takes two)."""
+    import pickle
+
+    import torch.distributed as dist
+
+    data = pickle.dumps(rows)
+    n = dist.get_world_size()
+    room = _ROOM
+    buf = torch.zeros(8 + room, dtype=torch.uint8, device=device)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= room:
+        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(buf) for _ in range(n)]
+    dist.all_gather(parts, buf)
+    out = torch.stack(parts).cpu()
+    sizes = [int(out[r, :8].view(torch.int64)) for r in range(n)]
+    if max(sizes) > room:  # every rank sees the same sizes: all take this branch
+        room = max(sizes)
+        buf = torch.zeros(room, dtype=torch.uint8, device=device)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(buf) for _ in range(n)]
+        dist.all_gather(parts, buf)
+        out = torch.cat([torch.zeros(n, 8, dtype=torch.uint8), torch.stack(parts).cpu()], 1)
+    return [pickle.loads(out[r, 8 : 8 + sizes[r]].numpy().tobytes()) for r in range(n)]
 
 
 def _plain(hook):
@@ -268,13 +304,23 @@ def _tensors(tree, out=None) -> list:
     return out
 
 
+def _mib(peaks):
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) / 2**20 if peaks else "-"
+
+
 def _cell(c) -> str:
     return f"{c:.2f}" if isinstance(c, float) else str(c)
 
 
 def explain(model, *inputs, backward: bool = True, memory: bool = True, **kwargs):
     """Run ``model(*inputs, **kwargs)`` (and backward of its loss: ``.loss``, or the sum of
-    the output) and explain it; without inputs, a context manager around your own step."""
+    the output) and explain it; without inputs, a context manager around your own step.
+
+    ``memory``: each module's peak memory (CUDA: the allocator's statistics; CPU: live
+    tensor bytes, counted by the tracer's dispatch mode as every op runs); ``False``
+    leaves the column out (``-``) and the step a little faster.
+    """
     if not inputs and not kwargs:
         return Explainer(model, memory)
     with Explainer(model, memory) as ex:
@@ -325,7 +371,7 @@ class Explanation:
                     max(sum(1 for e in x.events if e[0] in ("send", "recv")) for x in same),
                     max(sum(e[1] for e in x.events) for x in same),
                     1e3 * max(x.seconds for x in same),
-                    max(x.peak_bytes for x in same) / 2**20,
+                    _mib(x.peak_bytes for x in same),
                 )
             )
         return out

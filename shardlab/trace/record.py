@@ -102,17 +102,13 @@ def _group_ranks(pg) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(pg)), pg
 
 
-def _dtensor():
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+_SCHEMAS: dict = {}  # OpOverload -> (argument names, "namespace.name")
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder:
     """Appends one :class:`Event` per communication op to ``self.events``."""
 
     def __init__(self, rank: int, mesh=None):
-        super().__init__()
         self.rank = rank
         self.events: list[Event] = []
         self.mesh_groups: list[tuple[int, ...]] = []
@@ -122,30 +118,18 @@ class _Recorder(TorchDispatchMode):
 
                 self.mesh_groups.append(tuple(dist.get_process_group_ranks(mesh.get_group(d))))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, _dtensor()) for t in types):  # the subclasses among the arguments
-            return NotImplemented  # let DTensor desugar into plain ops and collectives first
-        ns = func.namespace
-        table = (
-            _C10D if ns == "c10d" else _FUNCTIONAL if ns.startswith("_c10d_functional") else None
-        )
-        spec = table.get(func._schema.name.split("::")[-1]) if table is not None else None
-        if spec is None:
-            return func(*args, **kwargs)
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        duration = time.perf_counter() - start
-        self._record(
-            func, spec, args, kwargs, start, duration, "c10d" if ns == "c10d" else "functional"
-        )
-        return out
-
     def _record(self, func, spec, args, kwargs, start, duration, api) -> None:
         import torch.distributed as dist
 
         kind, payload_name, peer_name = spec
-        bound = {a.name: v for a, v in zip(func._schema.arguments, args)}
+        known = _SCHEMAS.get(func)
+        if known is None:
+            known = _SCHEMAS[func] = (
+                [a.name for a in func._schema.arguments],
+                f"{func.namespace}.{func._schema.name.split('::')[-1]}",
+            )
+        names, op = known
+        bound = dict(zip(names, args))
         bound.update(kwargs)
         pg = bound.get("process_group", bound.get("group_name"))
         group, pg = _group_ranks(pg)
@@ -161,7 +145,7 @@ class _Recorder(TorchDispatchMode):
                 rank=self.rank,
                 seq=len(self.events),
                 kind=kind,
-                op=f"{func.namespace}.{func._schema.name.split('::')[-1]}",
+                op=op,
                 group=group,
                 peer=peer,
                 bytes=sum(t.numel() * t.element_size() for t in tensors),
@@ -174,6 +158,56 @@ class _Recorder(TorchDispatchMode):
                 duration=duration,
             )
         )
+
+
+# -- how a recorder sees the ops -------------------------------------------------------
+#
+# A dispatch mode: it sees every op, including those run inside another subclass's
+# ``__torch_dispatch__`` (DTensor's own redistributions, ShardTensor's local ops), where
+# the dispatch keys above the backend are already passed. (A Python kernel on just the
+# communication ops, at the ADInplaceOrView key, costs nothing per op; tried, it missed
+# the messages sent inside those handlers.) Per op: one Python call and a dict lookup.
+
+_NOT_COMM = object()
+_SPECS: dict = {}  # OpOverload -> (spec, api), or _NOT_COMM; filled as ops run
+
+
+def _spec(func):
+    spec = _SPECS.get(func)
+    if spec is None:
+        ns = func.namespace
+        table = _C10D if ns == "c10d" else _FUNCTIONAL if ns.startswith("_c10d_functional") else {}
+        found = table.get(func._schema.name.split("::")[-1])
+        api = "c10d" if ns == "c10d" else "functional"
+        spec = _SPECS[func] = _NOT_COMM if found is None else (found, api)
+    return spec
+
+
+class _WatchMode(TorchDispatchMode):
+    """Hands every communication op to its recorder; runs every other op as it is
+    (``live``, a :class:`shardlab.trace.memory.LiveCount`, sees every op's outputs)."""
+
+    def __init__(self, rec: _Recorder, live=None):
+        from torch.distributed.tensor import DTensor
+
+        super().__init__()
+        self.rec, self.live, self._dtensor = rec, live, DTensor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in types:  # the subclasses among the arguments
+            if t is not torch.Tensor and issubclass(t, self._dtensor):
+                return NotImplemented  # let DTensor desugar into plain ops and collectives
+        kwargs = kwargs or {}
+        spec = _spec(func)
+        if spec is _NOT_COMM:
+            out = func(*args, **kwargs)
+            if self.live is not None:
+                self.live.see(func, args, kwargs, out)
+            return out
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.rec._record(func, spec[0], args, kwargs, start, time.perf_counter() - start, spec[1])
+        return out
 
 
 def _default_mesh():
@@ -209,12 +243,14 @@ class _KernelHook:
 
 
 @contextlib.contextmanager
-def trace(mesh: Any = None):
+def trace(mesh: Any = None, *, live=None):
     """Record every collective and point-to-point message inside the block.
 
     Args:
         mesh: a DeviceMesh whose dims name the process groups (``Event.mesh_dim``);
             by default the rank's 1-D mesh.
+        live: (on a rank) a :class:`shardlab.trace.memory.LiveCount` that counts live
+            tensor bytes in the same pass (``shardlab.explain``'s memory column).
 
     Yields a :class:`Trace`, filled when the block exits (on a rank, also
     while it runs).
@@ -226,7 +262,7 @@ def trace(mesh: Any = None):
         mesh = mesh if mesh is not None else _default_mesh()
         rec = _Recorder(dist.get_rank(), mesh)
         t.events = rec.events
-        with rec:
+        with _WatchMode(rec, live):
             yield t
         return
     hook = _KernelHook(t, mesh)

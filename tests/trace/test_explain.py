@@ -90,3 +90,60 @@ def test_explain_every_zoo_model(ranks_for, name):
         assert r["order ok"] and r["backward rows"] > 0 and r["with messages"] > 0, r
         assert r["sharded inputs"] > 0 and r["json ranks"] == 3 and r["html"], r
         assert r["table lines"] > 5 and r["plot"] == 950 and r["hooks"] == 0, r
+
+
+def _conv_net():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3, padding=1)
+    )
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_memory_column(ranks_for, memory):
+    """A module's peak is at least the activation it made (counted in the tracer's one
+    dispatch mode); ``memory=False``: the column is left out."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        torch.manual_seed(0)
+        model = _conv_net()
+        x = torch.randn(2, 3, 40, 16)
+        modes = []
+        with shardlab.patched(), shardlab.explain(model, memory=memory) as ex:
+            modes.append(len(_get_current_dispatch_mode_stack()))
+            model(distribute(x, this_rank().mesh, [Shard(2)], [16, 14, 10])).sum().backward()
+        rows = {(r.name, r.phase): r for r in ex.explanation.rows(this_rank().rank)}
+        return modes[0], rows["0", "forward"].peak_bytes, ex.explanation.table().splitlines()[1]
+
+    for modes, peak, line in ranks_for(3).run(body):
+        assert modes == 1  # one dispatch mode, memory or not
+        if memory:
+            assert peak >= 2 * 8 * 10 * 16 * 4 and not line.endswith("| -"), (peak, line)
+        else:
+            assert peak is None and line.endswith("| -"), line
+
+
+def test_gather_in_two_rounds(ranks_for):
+    """Rows larger than the first round's room: a second round, the same on every rank."""
+
+    def body():
+        import torch.distributed as dist
+
+        from shardlab.trace import explain as ex
+
+        me = dist.get_rank()
+        small = ex._gather([me] * 3, torch.device("cpu"))
+        room, ex._ROOM = ex._ROOM, 64
+        try:
+            big = ex._gather(["x" * (50 + 100 * me)], torch.device("cpu"))
+        finally:
+            ex._ROOM = room
+        return small, [len(b[0]) for b in big]
+
+    for small, big in ranks_for(3).run(body):
+        assert small == [[0] * 3, [1] * 3, [2] * 3] and big == [50, 150, 250]

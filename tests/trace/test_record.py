@@ -137,6 +137,48 @@ def test_functional_collectives_and_dtensor(ranks_for):
         assert ev[-1] == ("all_gather", "functional", 16, "demo.gather forward")
 
 
+def test_nested_inference_backward_and_nothing_left(ranks_for):
+    """Nested traces both see a message; a trace opened in inference mode, and the
+    messages of a backward pass, are recorded; nothing stays installed, and the op
+    still works (and is not recorded) afterwards."""
+
+    def body():
+        x = torch.ones(4)
+        with shardlab.trace() as outer:
+            dist.all_reduce(x)
+            with shardlab.trace() as inner:
+                dist.all_reduce(x)
+        assert _no_modes()
+        with torch.inference_mode(), shardlab.trace() as infer:
+            dist.all_reduce(torch.ones(2))
+
+        class Reduce(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                g = g.clone()
+                dist.all_reduce(g)
+                return g
+
+        w = torch.ones(3, requires_grad=True)
+        with shardlab.trace() as back:
+            Reduce.apply(w).sum().backward()
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.full((4,), float(this_rank().world_size) ** 3))
+        return (
+            len(outer.events),
+            len(inner.events),
+            [e.bytes for e in infer.events],
+            [e.bytes for e in back.events],
+        )
+
+    for outer, inner, infer, back in ranks_for(3).run(body):
+        assert (outer, inner, infer, back) == (2, 1, [8], [12])
+
+
 def test_two_d_mesh_dims(ranks_for):
     def body():
         from torch.distributed.device_mesh import init_device_mesh
