@@ -5,11 +5,12 @@ Run: ``python benchmarks/bench_explain.py [--ranks 3] [--models resnet,llama] [-
 
 Models of the zoo (``tests/models/_zoo.py``, hidden sizes 8-16) and two wider ones
 (``resnet-wide``: hidden 32/64 on 128 x 128; ``llama-wide``: hidden 128, 2 layers,
-S = 1024), float32, input cut along H (vision) or the sequence (decoders); a step is forward + backward of the model's loss under
-``shardlab.patched()``. "off" is the plain step (explain installs nothing until called);
-"on" wraps the step in ``shardlab.explain(model)``: module hooks, autograd-node hooks and
-the tracer's dispatch mode, which also counts live tensor bytes (CPU memory);
-"on, memory=False" leaves that count out. The three modes run interleaved, ``reps``
+S = 1024), float32, input cut along H (vision) or the sequence (decoders); a step is
+forward + backward of the model's loss under ``shardlab.patched()``. "off" is the plain
+step (explain installs nothing until called); "on" wraps the step in
+``shardlab.explain(model)``: module hooks, autograd-node hooks and the tracer's dispatch
+mode, which also counts live tensor bytes (CPU memory); "on, memory=False" leaves that
+count out. The three modes run interleaved, ``reps``
 rounds after a warm-up; median per mode, slowest rank.
 """
 
@@ -38,20 +39,13 @@ def body(name, reps, big):
     torch.set_num_threads(1)
     mesh = this_rank().mesh
     if name == "llama-wide":  # hidden 128, 2 layers: each op does some work
-        import transformers as tf
-
-        torch.manual_seed(0)
-        cfg = tf.LlamaConfig(
-            vocab_size=_zoo.VOCAB,
+        model = _zoo.decoder(
+            "llama",
             hidden_size=128,
             intermediate_size=256,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             max_position_embeddings=2048,
         )
-        cfg._attn_implementation = "sdpa"
-        model = _zoo._no_randomness(tf.LlamaForCausalLM(cfg))
         seq = 1024
         ids = torch.randint(0, _zoo.VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
         sizes = _zoo.uneven(seq, mesh.size())

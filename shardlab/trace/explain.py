@@ -112,10 +112,13 @@ class Explainer:
         key = (name, phase)
         if key not in self.records:
             self.records[key] = ModuleRecord(
-                name, type(module).__name__, phase, len(self.records), name.count(".") + 1
+                name,
+                type(module).__name__,
+                phase,
+                len(self.records),
+                name.count(".") + 1,
+                peak_bytes=0 if self._mem else None,
             )
-            if self._mem is None:
-                self.records[key].peak_bytes = None
         return self.records[key]
 
     def _pre(self, module, args, kwargs):
@@ -204,9 +207,15 @@ class Explainer:
             if rec is None:  # outside every module (the loss, the optimizer)
                 rec = self.records.setdefault(
                     ("(outside modules)", key[1]),
-                    ModuleRecord("(outside modules)", "", key[1], 10**6, 0),
+                    ModuleRecord(
+                        "(outside modules)",
+                        "",
+                        key[1],
+                        10**6,
+                        0,
+                        peak_bytes=0 if self._mem else None,
+                    ),
                 )
-                rec.peak_bytes = rec.peak_bytes if self._mem else None
             rec.events.append((e.kind, e.bytes, e.peer, e.mesh_dim, e.label))
 
         for r in self.records.values():  # the layouts seen, as text
@@ -237,24 +246,19 @@ def _gather(rows, device) -> list:
     import torch.distributed as dist
 
     data = pickle.dumps(rows)
-    n = dist.get_world_size()
-    room = _ROOM
-    buf = torch.zeros(8 + room, dtype=torch.uint8, device=device)
-    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    if len(data) <= room:
-        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    parts = [torch.empty_like(buf) for _ in range(n)]
-    dist.all_gather(parts, buf)
-    out = torch.stack(parts).cpu()
-    sizes = [int(out[r, :8].view(torch.int64)) for r in range(n)]
-    if max(sizes) > room:  # every rank sees the same sizes: all take this branch
-        room = max(sizes)
-        buf = torch.zeros(room, dtype=torch.uint8, device=device)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    n, room = dist.get_world_size(), _ROOM
+    while True:  # at most twice: every rank sees the same sizes, so all loop alike
+        buf = torch.zeros(8 + room, dtype=torch.uint8, device=device)
+        buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if len(data) <= room:
+            buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty_like(buf) for _ in range(n)]
         dist.all_gather(parts, buf)
-        out = torch.cat([torch.zeros(n, 8, dtype=torch.uint8), torch.stack(parts).cpu()], 1)
-    return [pickle.loads(out[r, 8 : 8 + sizes[r]].numpy().tobytes()) for r in range(n)]
+        out = torch.stack(parts).cpu()
+        sizes = [int(out[r, :8].clone().view(torch.int64)) for r in range(n)]
+        if max(sizes) <= room:
+            return [pickle.loads(out[r, 8 : 8 + sizes[r]].numpy().tobytes()) for r in range(n)]
+        room = max(sizes)
 
 
 def _plain(hook):

@@ -71,28 +71,14 @@ class LiveCount:
         return drop
 
 
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensor storages created inside the block that are alive at once.
-
-    Sees every op torch runs (forward and backward, ShardTensor ops as their local ops);
-    an output whose storage is new counts its bytes until the storage is freed.
-    """
+class LiveBytes(TorchDispatchMode, LiveCount):
+    """Peak bytes of the tensor storages created inside the block that are alive at once
+    (``now``, ``peak``): a :class:`LiveCount` that watches every op torch runs (forward and
+    backward, ShardTensor ops as their local ops)."""
 
     def __init__(self):
-        super().__init__()
-        self.count = LiveCount()
-
-    @property
-    def now(self) -> int:
-        return self.count.now
-
-    @property
-    def peak(self) -> int:
-        return self.count.peak
-
-    @peak.setter
-    def peak(self, value: int) -> None:
-        self.count.peak = value
+        TorchDispatchMode.__init__(self)
+        LiveCount.__init__(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -102,5 +88,5 @@ class LiveBytes(TorchDispatchMode):
                 return NotImplemented  # let ShardTensor run its local ops (seen here) first
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.count.see(func, args, kwargs, out)
+        self.see(func, args, kwargs, out)
         return out

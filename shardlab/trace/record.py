@@ -102,9 +102,6 @@ def _group_ranks(pg) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(pg)), pg
 
 
-_SCHEMAS: dict = {}  # OpOverload -> (argument names, "namespace.name")
-
-
 class _Recorder:
     """Appends one :class:`Event` per communication op to ``self.events``."""
 
@@ -118,17 +115,11 @@ class _Recorder:
 
                 self.mesh_groups.append(tuple(dist.get_process_group_ranks(mesh.get_group(d))))
 
-    def _record(self, func, spec, args, kwargs, start, duration, api) -> None:
+    def _record(self, spec, args, kwargs, start, duration) -> None:
+        """``spec``: the op's ``_spec`` (what it is, its API, argument names, name)."""
         import torch.distributed as dist
 
-        kind, payload_name, peer_name = spec
-        known = _SCHEMAS.get(func)
-        if known is None:
-            known = _SCHEMAS[func] = (
-                [a.name for a in func._schema.arguments],
-                f"{func.namespace}.{func._schema.name.split('::')[-1]}",
-            )
-        names, op = known
+        (kind, payload_name, peer_name), api, names, op = spec
         bound = dict(zip(names, args))
         bound.update(kwargs)
         pg = bound.get("process_group", bound.get("group_name"))
@@ -169,7 +160,7 @@ class _Recorder:
 # the messages sent inside those handlers.) Per op: one Python call and a dict lookup.
 
 _NOT_COMM = object()
-_SPECS: dict = {}  # OpOverload -> (spec, api), or _NOT_COMM; filled as ops run
+_SPECS: dict = {}  # OpOverload -> (spec, api, argument names, name), or _NOT_COMM
 
 
 def _spec(func):
@@ -177,9 +168,18 @@ def _spec(func):
     if spec is None:
         ns = func.namespace
         table = _C10D if ns == "c10d" else _FUNCTIONAL if ns.startswith("_c10d_functional") else {}
-        found = table.get(func._schema.name.split("::")[-1])
-        api = "c10d" if ns == "c10d" else "functional"
-        spec = _SPECS[func] = _NOT_COMM if found is None else (found, api)
+        name = func._schema.name.split("::")[-1]
+        found = table.get(name)
+        spec = _SPECS[func] = (
+            _NOT_COMM
+            if found is None
+            else (
+                found,
+                "c10d" if ns == "c10d" else "functional",
+                [a.name for a in func._schema.arguments],
+                f"{ns}.{name}",
+            )
+        )
     return spec
 
 
@@ -206,7 +206,7 @@ class _WatchMode(TorchDispatchMode):
             return out
         start = time.perf_counter()
         out = func(*args, **kwargs)
-        self.rec._record(func, spec[0], args, kwargs, start, time.perf_counter() - start, spec[1])
+        self.rec._record(spec, args, kwargs, start, time.perf_counter() - start)
         return out
 
 

@@ -97,8 +97,8 @@ def _vision(name: str):
     raise KeyError(name)
 
 
-def decoder(name: str):
-    """A causal LM (RoPE, GQA, RMSNorm, SDPA attention)."""
+def decoder(name: str, **sizes):
+    """A causal LM (RoPE, GQA, RMSNorm, SDPA attention); ``sizes`` override the config's."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -107,13 +107,16 @@ def decoder(name: str):
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
     }[name]
     cfg = config(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            **sizes,
+        }
     )
     cfg._attn_implementation = "sdpa"
     return _no_randomness(model(cfg))
