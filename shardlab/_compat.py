@@ -126,6 +126,27 @@ def decomposition(func):
     return None
 
 
+# -- leaving ---------------------------------------------------------------------------
+# ``destroy_process_group`` unregisters the groups, but every DeviceMesh keeps its own
+# (``_pg_registry``, private, 2.11-2.15): while one is alive, so is each group's C++
+# object with its gloo worker threads. They would then be torn down during interpreter
+# finalization, where a worker thread that drops the last reference to a tensor owned by
+# Python aborts the process ("terminate called without an active exception").
+def release_process_groups() -> None:
+    """After ``destroy_process_group``: drop the groups the live meshes still hold, so
+    their worker threads are joined now, while the interpreter is whole."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if DeviceMesh in type(obj).__mro__:  # (isinstance would ask proxies' __class__)
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    gc.collect()
+
+
 # -- collectives ---------------------------------------------------------------------
 # ``all_gather_into_tensor`` is deprecated in favour of ``all_gather_single`` where it
 # exists (newer releases); both gather equal-sized tensors into one.

@@ -108,14 +108,20 @@ def init_rank(
 
 
 def _destroy_group() -> None:
-    """At exit: leave together, then destroy the group (else gloo may abort)."""
+    """At exit: leave together, then destroy the groups and join their threads (else
+    gloo may abort during interpreter finalization)."""
+    global _CONTEXT
     import torch.distributed as dist
+
+    from shardlab import _compat
 
     if dist.is_initialized():
         try:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+            _CONTEXT = None
+            _compat.release_process_groups()
 
 
 def env_rank() -> tuple[int, int, int] | None:
