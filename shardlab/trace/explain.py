@@ -19,8 +19,7 @@ How it attributes (no change to the model, hooks removed on exit):
    gradient's halo or all-reduce lands on the module whose forward caused it;
 3. time: between a module's hooks (forward, inclusive of its children) and between node
    pre-hooks (backward); memory: the peak while the module ran above what was live when
-   it began (the CUDA allocator; on CPU, live tensor bytes counted by the tracer's
-   dispatch mode);
+   it began (the CUDA allocator; on CPU, live tensor bytes counted by a dispatch mode);
 4. on exit, every rank's rows are gathered (one ``all_gather``, after the
    explanation's own trace; an outer ``shardlab.trace()`` sees it labelled
    ``explain gather``), so each rank holds the numbers of all ranks.
@@ -57,14 +56,23 @@ def _describe(shape, lay) -> str:
 
 
 class _Memory:
-    """Live tensor bytes now: the CUDA allocator, or on CPU a :class:`LiveCount` fed by
-    the tracer's dispatch mode (it sees every op already)."""
+    """Live tensor bytes now: the CUDA allocator's statistics, or on CPU a
+    :class:`LiveBytes` dispatch mode (it sees every op: the costly part of ``explain``
+    on CPU, so there only with ``memory=True``)."""
 
     def __init__(self, device):
-        from shardlab.trace.memory import LiveCount
+        from shardlab.trace.memory import LiveBytes
 
         self.cuda = device.type == "cuda"
-        self.count = None if self.cuda else LiveCount()
+        self.count = None if self.cuda else LiveBytes()
+
+    def __enter__(self):
+        if self.count is not None:
+            self.count.__enter__()
+
+    def __exit__(self, *exc):
+        if self.count is not None:
+            self.count.__exit__(*exc)
 
     def reset_peak(self) -> int:
         if self.cuda:
@@ -80,7 +88,7 @@ class _Memory:
 class Explainer:
     """The context manager behind :func:`explain` (``.explanation`` after the block)."""
 
-    def __init__(self, model: torch.nn.Module, memory: bool = True):
+    def __init__(self, model: torch.nn.Module, memory: bool | None = None):
         self.model, self.memory = model, memory
         self.explanation: Explanation | None = None
 
@@ -96,11 +104,15 @@ class Explainer:
         self.stack: list[tuple[torch.nn.Module, float, int, set]] = []
         self.marks: list[tuple[int, str]] = []  # (event index, owner) in time order
         self.node_frontier: dict = {}  # node -> where the walk that tagged it stopped
+        self.node_hooks: dict = {}  # module -> its autograd-node pre-hook
         self.back_owner: str | None = None
         self.back_since = 0.0
-        self._mem = _Memory(self.device) if self.memory else None
-        self._trace = trace(live=self._mem.count if self._mem else None)
+        memory = self.device.type == "cuda" if self.memory is None else self.memory
+        self._mem = _Memory(self.device) if memory else None
+        self._trace = trace()
         self.t = self._trace.__enter__()
+        if self._mem:
+            self._mem.__enter__()
         self.handles = []
         for m in self.names:
             self.handles.append(m.register_forward_pre_hook(_plain(self._pre), with_kwargs=True))
@@ -151,7 +163,9 @@ class Explainer:
         inputs' nodes (``stop``). A node an inner module (or an earlier one) tagged already
         is not walked again: the walk jumps to where that module's walk stopped (its
         ``frontier``), so each node is visited about once however deep the modules nest."""
-        name = self.names[module]
+        hook = self.node_hooks.get(module) or self.node_hooks.setdefault(
+            module, self._node_hook(self.names[module], module)
+        )
         todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
         seen, frontier = set(), []
         while todo:
@@ -169,17 +183,21 @@ class Explainer:
             if type(node).__name__ == "AccumulateGrad":
                 continue
             self.node_frontier[node] = frontier  # complete when this walk ends
-            node.register_prehook(self._node_hook(name, module))
+            node.register_prehook(hook)
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     def _node_hook(self, name, module):
+        """One per module: marks where backward enters the module (its time runs until
+        backward enters another)."""
+
         def hook(grad_outputs):
+            if name == self.back_owner:
+                return
             now = time.perf_counter()
             if self.back_owner is not None:
                 prev = self.records[(self.back_owner, "backward")]
                 prev.seconds += now - self.back_since
-            if name != self.back_owner:
-                self.marks.append((len(self.t.events), "back:" + name))
+            self.marks.append((len(self.t.events), "back:" + name))
             self._record(module, "backward")
             self.back_owner, self.back_since = name, now
 
@@ -193,6 +211,8 @@ class Explainer:
             self.records[(self.back_owner, "backward")].seconds += (
                 time.perf_counter() - self.back_since
             )
+        if self._mem:
+            self._mem.__exit__(*exc)
         self._trace.__exit__(*exc)
         if exc[0] is not None:
             return False
@@ -233,12 +253,12 @@ class Explainer:
         return False
 
 
-_ROOM = 1 << 18  # bytes each rank sends in the first round of _gather
+_ROOM = 1 << 15  # bytes each rank sends in the first round of _gather
 
 
 def _gather(rows, device) -> list:
     """Every rank's ``rows``, on every rank: one ``all_gather`` of a fixed-size buffer
-    (length + pickled rows) when they fit in 256 KiB, which every rank then knows; a
+    (length + pickled rows) when they fit in 32 KiB, which every rank then knows; a
     second round at the largest size when any does not (``all_gather_object`` always
     takes two)."""
     import pickle
@@ -286,13 +306,15 @@ def _tensors(tree, out=None) -> list:
     return out
 
 
-def explain(model, *inputs, backward: bool = True, memory: bool = True, **kwargs):
+def explain(model, *inputs, backward: bool = True, memory: bool | None = None, **kwargs):
     """Run ``model(*inputs, **kwargs)`` (and backward of its loss: ``.loss``, or the sum of
     the output) and explain it; without inputs, a context manager around your own step.
 
-    ``memory``: each module's peak memory (CUDA: the allocator's statistics; CPU: live
-    tensor bytes, counted by the tracer's dispatch mode as every op runs); ``False``
-    leaves the column out (``-``) and the step a little faster.
+    ``memory``: each module's peak memory. On CUDA the allocator's statistics give it for
+    free, and ``None`` (the default) turns it on; on CPU there are no such statistics:
+    ``True`` counts live tensor bytes with a dispatch mode that sees every op (a Python
+    call per op: about +20 % on a small model's step), so ``None`` leaves the column out
+    (``-``) there, as ``torch.profiler`` leaves ``profile_memory`` off by default.
     """
     if not inputs and not kwargs:
         return Explainer(model, memory)

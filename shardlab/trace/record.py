@@ -3,9 +3,11 @@
 Every message between ranks passes through the torch dispatcher as a c10d op
 (``c10d.allreduce_``, ``c10d.send`` …, what ``torch.distributed`` calls) or a
 functional collective (``_c10d_functional.all_gather_into_tensor`` …, what
-DTensor calls). A ``TorchDispatchMode`` sees them all, including send/recv and
-``batch_isend_irecv``. When no trace is active, nothing is installed: tracing
-costs nothing.
+DTensor calls). While a trace is open, a Python kernel on just those ops sees
+them all, including send/recv and ``batch_isend_irecv`` (below: how); no other op
+pays anything. When no trace is open, nothing is installed: tracing costs nothing.
+A trace sees the messages of every thread of its process (autograd's, too) while
+it is open.
 
 Where the trace is opened decides what it records:
 
@@ -19,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from shardlab.runtime import pool as _pool
@@ -124,7 +126,15 @@ class _Recorder:
         bound.update(kwargs)
         pg = bound.get("process_group", bound.get("group_name"))
         group, pg = _group_ranks(pg)
-        tensors = [t for t in tree_leaves(bound.get(payload_name)) if isinstance(t, torch.Tensor)]
+        payload = bound.get(payload_name)
+        if isinstance(payload, torch.Tensor):
+            tensors = [payload]
+        elif isinstance(payload, list) and all(isinstance(t, torch.Tensor) for t in payload):
+            tensors = payload  # c10d's lists of tensors
+        else:  # nested lists (allgather_'s outputs), or None
+            tensors = [t for t in tree_leaves(payload) if isinstance(t, torch.Tensor)]
+        if tensors and tensors[0].device.type == "meta":
+            return  # a fake run (FakeTensorMode, tracing for torch.compile): no message
         peer = bound.get(peer_name) if peer_name else None
         if peer is not None and peer >= 0:
             peer = dist.get_global_rank(pg, peer)
@@ -153,61 +163,96 @@ class _Recorder:
 
 # -- how a recorder sees the ops -------------------------------------------------------
 #
-# A dispatch mode: it sees every op, including those run inside another subclass's
-# ``__torch_dispatch__`` (DTensor's own redistributions, ShardTensor's local ops), where
-# the dispatch keys above the backend are already passed. (A Python kernel on just the
-# communication ops, at the ADInplaceOrView key, costs nothing per op; tried, it missed
-# the messages sent inside those handlers.) Per op: one Python call and a dict lookup.
+# While a trace is open in a process, each communication op gets a Python kernel at the
+# BackendSelect dispatch key (``torch.library``, removed when the last trace closes). That
+# key is in every call's key set and sits just above the backend kernels, below the
+# autograd keys and below the Python key of subclasses and dispatch modes: so the
+# kernel also sees the messages sent inside DTensor's and ShardTensor's
+# ``__torch_dispatch__`` (a redistribution, a whole-tensor fallback), in backward and in
+# inference mode, and no other op pays anything: no per-op Python call. (The
+# ADInplaceOrView key, tried first, is skipped inside ``__torch_dispatch__``; a dispatch
+# mode, used before, costs a Python call on every op.) A communication op that runs
+# another one inside it (``_c10d_functional.all_reduce`` calls ``c10d.allreduce_``) is
+# recorded once, as the outer op.
 
-_NOT_COMM = object()
-_SPECS: dict = {}  # OpOverload -> (spec, api, argument names, name), or _NOT_COMM
-
-
-def _spec(func):
-    spec = _SPECS.get(func)
-    if spec is None:
-        ns = func.namespace
-        table = _C10D if ns == "c10d" else _FUNCTIONAL if ns.startswith("_c10d_functional") else {}
-        name = func._schema.name.split("::")[-1]
-        found = table.get(name)
-        spec = _SPECS[func] = (
-            _NOT_COMM
-            if found is None
-            else (
-                found,
-                "c10d" if ns == "c10d" else "functional",
-                [a.name for a in func._schema.arguments],
-                f"{ns}.{name}",
-            )
-        )
-    return spec
+_BACKEND_SELECT = torch._C.DispatchKey.BackendSelect
+_OPEN: list[_Recorder] = []  # the traces open in this process (any thread), oldest first
+_LIBS: list = []  # the torch.library registrations while any trace is open
+_INSTALL = threading.Lock()
+_BUSY = threading.local()  # inside a recorded op: its inner ops are not recorded again
 
 
-class _WatchMode(TorchDispatchMode):
-    """Hands every communication op to its recorder; runs every other op as it is
-    (``live``, a :class:`shardlab.trace.memory.LiveCount`, sees every op's outputs)."""
+def _comm_ops():
+    """(namespace, qualified name, OpOverload, spec) of every communication op this torch
+    has; spec: (what it is, its API, its argument names, its name)."""
+    tables = [("c10d", _C10D, "c10d")] + [
+        (ns, _FUNCTIONAL, "functional") for ns in ("_c10d_functional", "_c10d_functional_autograd")
+    ]
+    for ns, table, api in tables:
+        for name, what in table.items():
+            try:
+                packet = getattr(getattr(torch.ops, ns), name)
+            except (AttributeError, RuntimeError):
+                continue  # not in this torch version
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                qual = name if overload == "default" else f"{name}.{overload}"
+                names = [a.name for a in op._schema.arguments]
+                yield ns, qual, op, (what, api, names, f"{ns}.{name}")
 
-    def __init__(self, rec: _Recorder, live=None):
-        from torch.distributed.tensor import DTensor
 
-        super().__init__()
-        self.rec, self.live, self._dtensor = rec, live, DTensor
+def _kernel(op, spec):
+    """``op``'s Python kernel: run the op below BackendSelect; record it, timed."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in types:  # the subclasses among the arguments
-            if t is not torch.Tensor and issubclass(t, self._dtensor):
-                return NotImplemented  # let DTensor desugar into plain ops and collectives
-        kwargs = kwargs or {}
-        spec = _spec(func)
-        if spec is _NOT_COMM:
-            out = func(*args, **kwargs)
-            if self.live is not None:
-                self.live.see(func, args, kwargs, out)
-            return out
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        self.rec._record(spec, args, kwargs, start, time.perf_counter() - start)
+    def kernel(keyset, *args, **kwargs):
+        below = keyset.remove(_BACKEND_SELECT)
+        if not _OPEN or getattr(_BUSY, "on", False):
+            return op.redispatch(below, *args, **kwargs)
+        _BUSY.on = True
+        try:
+            start = time.perf_counter()
+            out = op.redispatch(below, *args, **kwargs)
+            took = time.perf_counter() - start
+        finally:
+            _BUSY.on = False
+        for rec in list(_OPEN):
+            rec._record(spec, args, kwargs, start, took)
         return out
+
+    return kernel
+
+
+_KERNELS: list = []  # (namespace, qualified name, kernel), made once per process
+
+
+def _open(rec: _Recorder) -> None:
+    from torch.library import Library
+
+    with _INSTALL:
+        if not _KERNELS:
+            for ns, qual, op, spec in _comm_ops():
+                _KERNELS.append((ns, qual, _kernel(op, spec)))
+        if not _OPEN:
+            libs = {}
+            for ns, qual, kernel in _KERNELS:
+                lib = libs.get(ns) or libs.setdefault(ns, Library(ns, "IMPL"))
+                lib.impl(qual, kernel, "BackendSelect", with_keyset=True)
+            _LIBS.extend(libs.values())
+        _OPEN.append(rec)
+
+
+def _close(rec: _Recorder) -> None:
+    with _INSTALL:
+        _OPEN.remove(rec)
+        if not _OPEN:
+            for lib in _LIBS:
+                lib._destroy()
+            _LIBS.clear()
+
+
+def installed() -> bool:
+    """Whether the tracer's kernels are registered now (a trace is open in this process)."""
+    return bool(_LIBS)
 
 
 def _default_mesh():
@@ -243,14 +288,12 @@ class _KernelHook:
 
 
 @contextlib.contextmanager
-def trace(mesh: Any = None, *, live=None):
+def trace(mesh: Any = None):
     """Record every collective and point-to-point message inside the block.
 
     Args:
         mesh: a DeviceMesh whose dims name the process groups (``Event.mesh_dim``);
             by default the rank's 1-D mesh.
-        live: (on a rank) a :class:`shardlab.trace.memory.LiveCount` that counts live
-            tensor bytes in the same pass (``shardlab.explain``'s memory column).
 
     Yields a :class:`Trace`, filled when the block exits (on a rank, also
     while it runs).
@@ -262,8 +305,11 @@ def trace(mesh: Any = None, *, live=None):
         mesh = mesh if mesh is not None else _default_mesh()
         rec = _Recorder(dist.get_rank(), mesh)
         t.events = rec.events
-        with _WatchMode(rec, live):
+        _open(rec)
+        try:
             yield t
+        finally:
+            _close(rec)
         return
     hook = _KernelHook(t, mesh)
     token = _pool.CALL_HOOKS.set(_pool.CALL_HOOKS.get() + (hook,))
