@@ -14,9 +14,13 @@ How it attributes (no change to the model, hooks removed on exit):
 
 1. forward: a pre-hook and a hook on every module keep a stack of the modules running;
    each message the tracer records belongs to the innermost one (its "self" share);
-2. backward: each autograd node a module's forward created is tagged with the module
-   (innermost first); a pre-hook on the node names the module while the node runs, so a
-   gradient's halo or all-reduce lands on the module whose forward caused it;
+2. backward: each autograd node a module's forward created belongs to the module
+   (innermost first). The engine runs nodes in decreasing sequence number, i.e. in the
+   reverse of the order forward made them, so a module's nodes run in the same runs
+   as they were made: when the outermost module returns, a pre-hook goes on the first
+   node of each run (and on the inputs' nodes, which belong to no module); it names
+   the owner until the next one, so a gradient's halo or all-reduce lands on the
+   module whose forward caused it;
 3. time: between a module's hooks (forward, inclusive of its children) and between node
    pre-hooks (backward); memory: the peak while the module ran above what was live when
    it began (the CUDA allocator; on CPU, live tensor bytes counted by a dispatch mode);
@@ -104,7 +108,8 @@ class Explainer:
         self.stack: list[tuple[torch.nn.Module, float, int, set]] = []
         self.marks: list[tuple[int, str]] = []  # (event index, owner) in time order
         self.node_frontier: dict = {}  # node -> where the walk that tagged it stopped
-        self.node_hooks: dict = {}  # module -> its autograd-node pre-hook
+        self.owned: list = []  # (node, module or None: no module) not hooked yet
+        self.node_hooks: dict = {}  # module (or None) -> its autograd-node pre-hook
         self.back_owner: str | None = None
         self.back_since = 0.0
         memory = self.device.type == "cuda" if self.memory is None else self.memory
@@ -156,16 +161,17 @@ class Explainer:
             if self.stack:
                 self.stack[-1][4] = max(self.stack[-1][4], top)
         self.marks.append((len(self.t.events), self.names[self.stack[-1][0]] if self.stack else ""))
-        self._tag_nodes(module, tensors, stop)
+        frontier = self._tag_nodes(module, tensors, stop)
+        if not self.stack:  # the outermost module returned: its graph is complete
+            self.owned += [(node, None) for node in frontier]
+            self._hook_runs()
 
-    def _tag_nodes(self, module, outputs, stop):
-        """Tag the autograd nodes this module's forward made: from its outputs back to its
-        inputs' nodes (``stop``). A node an inner module (or an earlier one) tagged already
-        is not walked again: the walk jumps to where that module's walk stopped (its
-        ``frontier``), so each node is visited about once however deep the modules nest."""
-        hook = self.node_hooks.get(module) or self.node_hooks.setdefault(
-            module, self._node_hook(self.names[module], module)
-        )
+    def _tag_nodes(self, module, outputs, stop) -> list:
+        """Claim the autograd nodes this module's forward made: from its outputs back to
+        its inputs' nodes (``stop``, returned: the walk's frontier). A node an inner
+        module (or an earlier one) claimed is not walked again: the walk jumps to where
+        that module's walk stopped, so each node is visited about once however deep the
+        modules nest."""
         todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
         seen, frontier = set(), []
         while todo:
@@ -183,22 +189,39 @@ class Explainer:
             if type(node).__name__ == "AccumulateGrad":
                 continue
             self.node_frontier[node] = frontier  # complete when this walk ends
-            node.register_prehook(hook)
+            self.owned.append((node, module))
             todo.extend(n for n, _ in node.next_functions if n is not None)
+        return frontier
 
-    def _node_hook(self, name, module):
+    def _hook_runs(self) -> None:
+        """A pre-hook on the first node of each run of one owner, in the order backward
+        will run them (decreasing sequence number)."""
+        self.owned.sort(key=lambda item: -item[0]._sequence_nr())
+        last = self  # no owner yet
+        for node, module in self.owned:
+            if module is not last:
+                hook = self.node_hooks.get(module)
+                if hook is None:
+                    hook = self.node_hooks[module] = self._node_hook(module)
+                node.register_prehook(hook)
+                last = module
+        self.owned.clear()
+
+    def _node_hook(self, module):
         """One per module: marks where backward enters the module (its time runs until
-        backward enters another)."""
+        backward enters another); ``None``: nodes of no module (the inputs' own)."""
+        name = "" if module is None else self.names[module]
 
         def hook(grad_outputs):
             if name == self.back_owner:
                 return
             now = time.perf_counter()
-            if self.back_owner is not None:
+            if self.back_owner:
                 prev = self.records[(self.back_owner, "backward")]
                 prev.seconds += now - self.back_since
             self.marks.append((len(self.t.events), "back:" + name))
-            self._record(module, "backward")
+            if module is not None:
+                self._record(module, "backward")
             self.back_owner, self.back_since = name, now
 
         return hook
@@ -207,7 +230,7 @@ class Explainer:
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
-        if self.back_owner is not None:
+        if self.back_owner:
             self.records[(self.back_owner, "backward")].seconds += (
                 time.perf_counter() - self.back_since
             )

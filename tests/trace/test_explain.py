@@ -148,3 +148,53 @@ def test_gather_in_two_rounds(ranks_for):
 
     for small, big in ranks_for(3).run(body):
         assert small == [[0] * 3, [1] * 3, [2] * 3] and big == [50, 150, 250]
+
+
+class _Branchy(torch.nn.Module):
+    """A parent with its own convolution between two children, and a residual: each
+    of the three convolutions exchanges halos forward and again backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.own = torch.nn.Parameter(torch.randn(4, 4, 3, 3) / 6)
+        self.second = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding=1))
+
+    def forward(self, x):
+        h = self.first(x)
+        h = torch.nn.functional.conv2d(h.relu(), self.own, padding=1)  # the parent's own
+        return self.second(h) + x
+
+
+def test_backward_messages_land_on_their_module(ranks_for):
+    """Backward, each module holds the halo messages of its own convolution: as many as
+    it sent and received forward (the gradients of the same rows go back), and the
+    activation between them none; the input's own backward (``distribute`` gathers the
+    gradient on every rank: 2 sends, 2 receives) belongs to no module."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_Branchy(), torch.nn.ReLU(), _Branchy())
+        x = torch.randn(2, 4, 21, 6, requires_grad=True)  # its gradient too: every halo
+        with shardlab.patched():
+            ex = shardlab.explain(model, distribute(x, this_rank().mesh, [Shard(2)], [8, 6, 7]))
+        p2p = {
+            (r.name, r.phase): sum(1 for e in r.events if e[0] in ("send", "recv"))
+            for r in ex.rows(this_rank().rank)
+        }
+        return p2p
+
+    for r, p2p in enumerate(ranks_for(3).run(body)):
+        hops = 2 if r == 1 else 1  # the middle rank has two neighbours
+        for block in ("0", "2"):
+            for name in (f"{block}.first", block, f"{block}.second.1"):
+                assert p2p[name, "forward"] == 2 * hops, (name, p2p)
+                assert p2p[name, "backward"] == 2 * hops, (name, p2p)
+            assert p2p.get((f"{block}.second.0", "backward"), 0) == 0, p2p
+        assert p2p.get(("1", "backward"), 0) == 0, p2p
+        assert p2p["(outside modules)", "backward"] == 4, p2p
