@@ -17,7 +17,7 @@ def _check_all_reduce() -> dict:
     from shardlab.runtime import this_rank
 
     ctx = this_rank()
-    x = torch.full((3,), float(ctx.rank + 1))  # (3,) on every rank
+    x = torch.full((3,), float(ctx.rank + 1), device=ctx.device)  # (3,) on every rank
     dist.all_reduce(x)  # one all-reduce over the default group
     return {"rank": ctx.rank, "sum": x.tolist(), "mesh": tuple(ctx.mesh.shape)}
 
@@ -35,7 +35,7 @@ def _check_shard_tensor() -> dict:
     n = ctx.world_size
     sizes = [n + 1 - r for r in range(n - 1)] + [0] if n > 1 else [3]
     total = sum(sizes)
-    g = torch.arange(total * 2, dtype=torch.float64).reshape(total, 2)
+    g = torch.arange(total * 2, dtype=torch.float64, device=ctx.device).reshape(total, 2)
     start = sum(sizes[: ctx.rank])
     local = g[start : start + sizes[ctx.rank]]
     st = ShardTensor.from_local(local, ctx.mesh, [Shard(0)])
@@ -77,8 +77,8 @@ def _check_conv() -> dict:
     n = ctx.world_size
     sizes = [3 + (r % 2) for r in range(n)]  # e.g. [3, 4, 3, 4]
     torch.manual_seed(0)
-    conv = torch.nn.Conv2d(3, 4, 3, padding=1).double()
-    img = torch.randn(1, 3, sum(sizes), 6, dtype=torch.float64)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1).double().to(ctx.device)
+    img = torch.randn(1, 3, sum(sizes), 6, dtype=torch.float64).to(ctx.device)
     with shardlab.patched():
         x = shardlab.distribute(img, ctx.mesh, [Shard(2)], sizes=[sizes])
         with shardlab.trace() as t:
@@ -134,8 +134,8 @@ def _check_cross_entropy() -> dict:
     n = ctx.world_size
     sizes = [5 + 2 * r for r in range(n)]
     torch.manual_seed(0)
-    logits = torch.randn(6, sum(sizes), dtype=torch.float64)
-    target = torch.randint(0, sum(sizes), (6,))
+    logits = torch.randn(6, sum(sizes), dtype=torch.float64).to(ctx.device)
+    target = torch.randint(0, sum(sizes), (6,)).to(ctx.device)
     ref = F.cross_entropy(logits, target, label_smoothing=0.1)
     start = sum(sizes[: ctx.rank])
     block = logits[:, start : start + sizes[ctx.rank]].clone().requires_grad_()  # (6, C_local)
@@ -171,7 +171,7 @@ def _check_attention() -> dict:
     n = ctx.world_size
     sizes = [2 + r for r in range(n)]
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, sum(sizes), 4, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, sum(sizes), 4, dtype=torch.float64).to(ctx.device) for _ in "qkv")
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with shardlab.patched():
         qs, ks, vs = (
@@ -213,19 +213,24 @@ def _quiet(ranks, fn):
     return ranks._call(fn, (), {})[0]
 
 
-def tour(n: int = 4, backend: str = "gloo", out: str = "shardlab-tour") -> int:
-    """Start ``n`` ranks, run every capability check, print a report; return 0 if all pass."""
+def tour(
+    n: int = 4, backend: str = "auto", out: str = "shardlab-tour", device: str = "auto"
+) -> int:
+    """Start ``n`` ranks, run every capability check, print a report; return 0 if all pass.
+    ``auto``: on CUDA where torch sees a GPU (nccl with one per rank, else gloo ranks
+    sharing them), else gloo on the CPU."""
     import os
 
+    from shardlab.demo.__main__ import resolve_backend
     from shardlab.runtime import Ranks
 
     os.makedirs(out, exist_ok=True)
     rows: list[tuple[str, bool, str]] = []
     t0 = time.perf_counter()
-    with Ranks(n, backend=backend) as ranks:
-        rows.append(
-            ("start ranks", True, f"{n} {backend} ranks up in {time.perf_counter() - t0:.2f} s")
-        )
+    backend, device = resolve_backend(backend, device, n)
+    with Ranks(n, backend=backend, device=device) as ranks:
+        took = time.perf_counter() - t0
+        rows.append(("start ranks", True, f"{n} {backend} ranks on {device} up in {took:.2f} s"))
         for name, check in CHECKS:
             try:
                 ok, detail = check(ranks, out)
@@ -233,7 +238,7 @@ def tour(n: int = 4, backend: str = "gloo", out: str = "shardlab-tour") -> int:
                 ok, detail = False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             rows.append((name, ok, detail))
     width = max(len(r[0]) for r in rows)
-    print(f"shardlab tour on {n} {backend} ranks")
+    print(f"shardlab tour on {n} {backend} ranks ({device})")
     for name, ok, detail in rows:
         print(f"  {'PASS' if ok else 'FAIL'}  {name:<{width}}  {detail}")
     figures = sorted(f for f in os.listdir(out) if f.endswith(".png"))
@@ -249,12 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("tour", help="start ranks and check every capability")
     t.add_argument("-n", "--ranks", type=int, default=4, help="number of ranks (default 4)")
-    t.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    t.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     t.add_argument("--out", default="shardlab-tour", help="folder for the figures")
     args = parser.parse_args(argv)
     if args.command == "tour":
         try:
-            return tour(args.ranks, args.backend, args.out)
+            return tour(args.ranks, args.backend, args.out, args.device)
         except Exception as exc:  # noqa: BLE001 - a report, then a non-zero exit
             print(f"shardlab tour failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1

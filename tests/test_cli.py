@@ -13,7 +13,12 @@ def test_tour_passes_and_reports(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "shardlab tour on 3 gloo ranks"
+    # auto: CUDA where torch sees a GPU (one per rank: nccl, fewer: shared by gloo ranks)
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = ("nccl" if gpus >= 3 else "gloo", "cuda" if gpus else "cpu")
+    assert lines[0] == "shardlab tour on 3 {} ranks ({})".format(*where)
     assert any("PASS  ShardTensor" in line for line in lines)
     assert not any("FAIL" in line for line in lines)
     assert lines[-1].startswith("tour: ") and lines[-1].endswith(" 0 failed")

@@ -29,7 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         default="auto",
         choices=["auto", "gloo", "nccl"],
-        help="auto: nccl when CUDA is available, else gloo",
+        help="auto: nccl with a GPU per rank, else gloo",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda when torch sees a GPU (gloo ranks may share one), else cpu",
     )
     p.add_argument(
         "--sizes",
@@ -59,15 +65,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def resolve_backend(requested: str, devices_needed: int) -> str:
-    """``auto`` -> nccl when this machine has enough CUDA devices, else gloo.
-    (``torch.cuda.is_available`` does not initialise CUDA.)"""
-    if requested != "auto":
-        return requested
+def resolve_backend(backend: str, device: str, devices_needed: int) -> tuple[str, str]:
+    """(backend, device) for ``auto``: nccl on CUDA with a GPU per rank; gloo on CUDA with
+    fewer (ranks share a GPU, messages staged through the host: for learning); gloo on
+    the CPU without one. (``torch.cuda.is_available`` does not initialise CUDA.)"""
     import torch
 
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= devices_needed
-    return "nccl" if cuda else "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        device = "cuda" if backend == "nccl" or gpus else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" and gpus >= devices_needed else "gloo"
+    return backend, device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     env = env_rank()  # (rank, world size, local rank) under torchrun, else None
     try:
         if env is not None:  # torchrun: attach, run here on every rank
-            backend = resolve_backend(args.backend, env[2] + 1)
-            with Ranks(backend=backend, timeout=args.timeout) as ranks:
+            backend, device = resolve_backend(args.backend, args.device, env[2] + 1)
+            with Ranks(backend=backend, device=device, timeout=args.timeout) as ranks:
                 ranks.run(run, args)
             return 0
-        backend = resolve_backend(args.backend, args.ranks)
-        with Ranks(args.ranks, backend=backend, timeout=args.timeout) as ranks:
+        backend, device = resolve_backend(args.backend, args.device, args.ranks)
+        with Ranks(args.ranks, backend=backend, device=device, timeout=args.timeout) as ranks:
             _, outputs = ranks._call(run, (args,), {})
         sys.stdout.write(outputs[0])  # rank 0's table, as under torchrun
         print_outputs(["", *outputs[1:]])  # anything else, prefixed [rank i]

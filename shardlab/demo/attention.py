@@ -141,7 +141,8 @@ def run(args) -> list[dict]:
     rows = [one_size(s, c, args) for c in (False, True) for s in seqs]
     common.print_table(
         f"attention: F.scaled_dot_product_attention on (B, H, S, D) = ({BATCH}, {HEADS}, S, "
-        f"{DIM}) float32, S sharded over {ctx.world_size} {ctx.backend} ranks (ring), "
+        f"{DIM}) float32, S sharded over {ctx.world_size} {ctx.backend} ranks on "
+        f"{ctx.device.type} (ring), "
         f"forward + backward (median of {common.reps_of(args)}; 1 device = torch sdpa on "
         f"rank 0 alone); checked against 1 device (max rel err <= {common.TOL:g})",
         COLUMNS,

@@ -145,7 +145,8 @@ def run(args) -> list[dict]:
     rows = sorted(shared[0], key=lambda r: (r["image"], r["ranks"]))
     common.print_table(
         f"conv: {LAYERS} x Conv2d({CHANNELS}, {CHANNELS}, 3, padding=1) on "
-        f"(1, {CHANNELS}, H, H) float32, H sharded over k of {n} {ctx.backend} ranks, "
+        f"(1, {CHANNELS}, H, H) float32, H sharded over k of {n} {ctx.backend} ranks on "
+        f"{ctx.device.type}, "
         f"forward + backward (median of {common.reps_of(args)}; 1 device = rank 0 alone); "
         f"checked against 1 device (max rel err <= {common.TOL:g})",
         COLUMNS,

@@ -186,7 +186,8 @@ def run(args) -> list[dict]:
     rows = [r for s in common.sizes_of(args, SIZES, QUICK) for r in one_size(s, args)]
     common.print_table(
         f"lm: TinyGPT (vocab {VOCAB}, dim {DIM}, {HEADS} heads, {LAYERS} layers), "
-        f"{_steps(args)} SGD steps on one sequence, {ctx.world_size} {ctx.backend} ranks; "
+        f"{_steps(args)} SGD steps on one sequence, {ctx.world_size} {ctx.backend} ranks on "
+        f"{ctx.device.type}; "
         "loss curves checked against 1 device",
         COLUMNS,
         rows,

@@ -145,7 +145,8 @@ def run(args) -> list[dict]:
     n, tokens = ctx.world_size, rows[0]["tokens"]
     common.print_table(
         f"loss: F.cross_entropy on ({tokens}, V) float32 logits, V sharded over {n} "
-        f"{ctx.backend} ranks, reduction 'mean', forward + backward (median of "
+        f"{ctx.backend} ranks on "
+        f"{ctx.device.type}, reduction 'mean', forward + backward (median of "
         f"{common.reps_of(args)}; 1 device = rank 0 alone; peak = tensor memory created "
         f"during the step); checked against 1 device (max rel err <= {common.TOL:g})",
         COLUMNS,

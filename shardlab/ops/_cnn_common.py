@@ -180,14 +180,16 @@ class _SumGrads(torch.autograd.Function):
     def forward(ctx, groups, cause, *tensors):
         ctx.groups, ctx.cause = groups, cause
         ctx.shapes = [t.shape for t in tensors]
-        ctx.dtype = tensors[0].dtype
+        ctx.dtype, ctx.device = tensors[0].dtype, tensors[0].device
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
         flat = torch.cat(
             [
-                (g if g is not None else torch.zeros(s, dtype=ctx.dtype)).reshape(-1)
+                (
+                    g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)
+                ).reshape(-1)
                 for g, s in zip(grads, ctx.shapes)
             ]
         )

@@ -14,9 +14,12 @@ At step t rank r holds block ``j = r - t (mod N)``. Each step posts the
 isend/irecv of the next block *before* computing on the current one, and waits
 after: the transfer overlaps the compute. Partial results merge with an online
 softmax: each block gives a normalised output and its logsumexp, merged into the
-running (output, logsumexp). On CPU a block without a mask (every key visible, or
-the causal diagonal) runs in torch's fused kernel, which holds no score matrix;
-other blocks hold scores of (S_local_q x S_local_kv) only.
+running (output, logsumexp). A block without a mask (every key visible, or the
+causal diagonal) runs in a fused kernel, which holds no score matrix: torch's CPU
+flash kernel, or on CUDA FlashAttention-2 or the memory-efficient kernel
+(``_ring_kernels.py`` chooses; the messages' tracer label names it, e.g.
+``sdpa.ring forward [flash]``); other blocks hold scores of (S_local_q x S_local_kv)
+only (``[explicit]``).
 
 Messages per rank (blocks of size 0 are never sent):
 
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardlab.ops import _ring_kernels as kernels
 from shardlab.tensor.comm import post
 from shardlab.trace import label
 
@@ -46,9 +50,11 @@ class RingPlan:
     """What every rank knows about the ring (the same numbers on every rank).
 
     ``kv_sizes[j]`` / ``kv_starts[j]``: rows of K/V block j along the sequence.
-    ``q_pos`` / ``kv_pos[j]``: true sequence positions (for ``is_causal``).
+    ``q_pos`` / ``kv_pos[j]``: true sequence positions (for ``is_causal``; on the CPU:
+    every decision reads them there, never waiting for a device).
     ``mask``: additive or boolean, already cut to the local query rows and
     broadcastable to (*, H_q, S_local_q, S_kv) (columns: the global K/V rows).
+    ``kernel``: what an unmasked block runs in (:func:`_ring_kernels.choose`).
     """
 
     peers: list[int]  # global rank of ring position k (from mesh coordinates)
@@ -61,6 +67,7 @@ class RingPlan:
     mask: torch.Tensor | None
     scale: float
     rep: int  # GQA: query heads per K/V head
+    kernel: str = "explicit"
 
     @property
     def n(self) -> int:
@@ -79,13 +86,21 @@ class RingPlan:
             return True
         return bool(self.q_pos.max() >= self.kv_pos[j].min())
 
+    def how(self, j: int, q: torch.Tensor, v: torch.Tensor) -> tuple[str, list | None]:
+        """(what block j runs in, its fused pieces): ``("skipped", None)``,
+        ``("explicit", None)`` or (a fused kernel, :meth:`fused`'s pieces)."""
+        if not self.visible(j, q.shape[-2]):
+            return "skipped", None
+        pieces = self.fused(j, q, v)
+        return ("explicit", None) if pieces is None else (self.kernel, pieces)
+
     def fused(self, j: int, q: torch.Tensor, v: torch.Tensor) -> list | None:
-        """How block j runs in torch's fused CPU kernel (no score matrix in memory):
-        a list of (query rows, key rows, is_causal) pieces, one per pair of contiguous
-        position runs that sees anything (head-tail balancing gives two runs each); or
-        None: explicit masked scores (a mask, another device, or a run pair that is
-        neither all visible nor the same positions)."""
-        if q.device.type != "cpu" or q.shape[-1] != v.shape[-1]:
+        """How block j runs in a fused kernel (no score matrix in memory): a list of
+        (query rows, key rows, is_causal) pieces, one per pair of contiguous position
+        runs that sees anything (head-tail balancing gives two runs each); or None:
+        explicit masked scores (a mask, no fused kernel for this device, dtype or head
+        dim, or a run pair that is neither all visible nor the same positions)."""
+        if self.kernel not in kernels.FUSED:
             return None
         m = self.block_mask(j)  # a boolean mask showing every key of block j: no mask
         if m is not None and (m.dtype != torch.bool or not bool(m.all())):
@@ -123,7 +138,8 @@ class RingPlan:
             m = self.block_mask(j)  # block j's columns
             s = s.masked_fill_(~m, NEG_INF) if m.dtype == torch.bool else s.add_(m)
         if self.q_pos is not None:  # causal, by true positions
-            s = s.masked_fill_(self.kv_pos[j][None, :] > self.q_pos[:, None], NEG_INF)
+            q_pos, kv_pos = (x.to(s.device) for x in (self.q_pos, self.kv_pos[j]))
+            s = s.masked_fill_(kv_pos[None, :] > q_pos[:, None], NEG_INF)  # (S_q, S_kv_j)
         return s
 
 
@@ -135,7 +151,10 @@ def _runs(pos: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
 
 def _merge(o, lse, o_new, lse_new):
     """Two normalised partial attentions of the same rows, merged by their logsumexps:
-    o = (e^lse o + e^lse_new o_new) / (e^lse + e^lse_new); rows seeing no key stay 0."""
+    o = (e^lse o + e^lse_new o_new) / (e^lse + e^lse_new); rows seeing no key stay 0.
+    ``o is None``: nothing yet, the new one is the result."""
+    if o is None:
+        return o_new, lse_new
     new = torch.logaddexp(lse, lse_new)
     safe = new.masked_fill(new == NEG_INF, 0.0)
     return o * (lse - safe).exp()[..., None] + o_new * (lse_new - safe).exp()[..., None], new
@@ -164,7 +183,7 @@ def _post(plan: RingPlan, send: list, recv_shapes: list, like: torch.Tensor, cau
     ops += [dist.P2POp(dist.irecv, b, prv, plan.group) for b in bufs if b.numel()]
     if not ops:
         return bufs, []
-    with label(*cause.split(" ")):
+    with label(cause):
         return bufs, post(ops)
 
 
@@ -186,93 +205,129 @@ def _with_rows(x: torch.Tensor, rows: int) -> list[int]:
     return [*x.shape[:-2], rows, x.shape[-1]]
 
 
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+def _once(make):
+    """``make()``, called on first use only (the explicit path's float32 copies of
+    half-precision tensors exist only when a block needs them)."""
+    made = []
+
+    def get():
+        if not made:
+            made.append(make())
+        return made[0]
+
+    return get
 
 
-def _block_attention(qc, kj, vj, plan: RingPlan, j: int):
-    """Block j's normalised output (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q)."""
-    pieces = plan.fused(j, qc, vj)
-    if pieces is not None:  # torch's fused kernel: no (S_q x S_kv_j) scores in memory
-        o = qc.new_zeros((*qc.shape[:-1], vj.shape[-1]))  # (*, H_q, S_q, D_v)
-        lse = qc.new_full(qc.shape[:-1], NEG_INF)  # (*, H_q, S_q)
+def _block_attention(qi, kj, vj, plan: RingPlan, j: int, how, ct, rng):
+    """Block j's normalised output (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q), in
+    the compute dtype ``ct``. ``qi``, ``kj``, ``vj``: in the kernel's input dtype."""
+    kind, pieces = how
+    if pieces is not None:  # a fused kernel: no (S_q x S_kv_j) scores in memory
+        o = lse = None
         for qs, ks, causal in pieces:
-            part = [x[..., r, :].contiguous() for x, r in ((qc, qs), (kj, ks), (vj, ks))]
-            o_p, lse_p = _FLASH(*part, 0.0, causal, scale=plan.scale)
+            part = [x[..., r, :] for x, r in ((qi, qs), (kj, ks), (vj, ks))]
+            o_p, lse_p = kernels.forward(kind, *part, causal, plan.scale, rng)
+            o_p, lse_p = o_p.to(ct), lse_p.to(ct)
+            if len(pieces) == 1 and qs == slice(0, qi.shape[-2]):
+                return o_p, lse_p  # one piece, every row: nothing to merge
+            if o is None:
+                o = o_p.new_zeros((*qi.shape[:-1], vj.shape[-1]))  # (*, H_q, S_q, D_v)
+                lse = lse_p.new_full(qi.shape[:-1], NEG_INF)  # (*, H_q, S_q)
             o[..., qs, :], lse[..., qs] = _merge(o[..., qs, :], lse[..., qs], o_p, lse_p)
         return o, lse
-    s = plan.scores(qc, kj, j)  # (*, H_q, S_q, S_kv_j), masked
+    qc, kc, vc = qi.to(ct), kj.to(ct), vj.to(ct)
+    s = plan.scores(qc, kc, j)  # (*, H_q, S_q, S_kv_j), masked
     m = s.amax(-1)
     m_safe = m.masked_fill(m == NEG_INF, 0.0)  # rows that see no key of block j
     p = s.sub_(m_safe[..., None]).exp_()  # in place
     z = p.sum(-1)
-    o = (p @ vj) / z.masked_fill(z == 0, 1.0)[..., None]
+    o = (p @ vc) / z.masked_fill(z == 0, 1.0)[..., None]
     return o, m_safe + torch.log(z)  # lse -inf where no key is seen
 
 
-def ring_forward(q, k, v, plan: RingPlan):
-    """Returns out (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q)."""
+def ring_forward(q, k, v, plan: RingPlan, rng: dict):
+    """Returns out (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q). ``rng``: what the
+    CUDA kernels hand from forward to backward (filled here)."""
     ct = _compute_dtype(q.dtype)
-    qc = q.to(ct)  # (*, H_q, S_q, D)
-    lse = q.new_full(q.shape[:-1], NEG_INF, dtype=ct)  # merged logsumexp  (*, H_q, S_q)
-    o = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=ct)  # merged output (*, H_q, S_q, D_v)
+    it = kernels.input_dtype(plan.kernel, q.dtype)
+    qi = q.to(it)  # (*, H_q, S_q, D)
+    o = lse = None  # merged output (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q), in ct
     kv = [k, v]  # the block held now: (*, H_kv, S_kv_j, D)
     for t in range(plan.n):
         j = (plan.me - t) % plan.n
+        how = plan.how(j, q, kv[1])
         # 1. post: pass the current block on, receive the next one (block j-1)
-        nxt, works = _post_next_kv(plan, kv, j, t, "sdpa.ring forward")
+        nxt, works = _post_next_kv(plan, kv, j, t, f"sdpa.ring forward [{how[0]}]")
         # 2. compute on the current block while the next one travels, and merge:
         #    o = (e^lse o + e^lse_j o_j) / (e^lse + e^lse_j), lse = log(e^lse + e^lse_j)
-        if plan.visible(j, q.shape[-2]):
-            kj, vj = _heads(kv[0].to(ct), plan.rep), _heads(kv[1].to(ct), plan.rep)
-            o, lse = _merge(o, lse, *_block_attention(qc, kj, vj, plan, j))
+        if how[0] != "skipped":
+            kj, vj = _heads(kv[0].to(it), plan.rep), _heads(kv[1].to(it), plan.rep)
+            o, lse = _merge(o, lse, *_block_attention(qi, kj, vj, plan, j, how, ct, rng))
         # 3. wait for the next block
         if t < plan.n - 1:
             _wait(works)
             kv = nxt
-    # rows that saw no key are 0 (as torch's SDPA gives), their lse -inf
+    if o is None:  # no block seen: rows that see no key are 0 (as torch's SDPA), lse -inf
+        o = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=ct)
+        lse = q.new_full(q.shape[:-1], NEG_INF, dtype=ct)
     return o.to(q.dtype), lse
 
 
-def _block_grads(qc, kj, vj, dout, out, lse, lse_safe, delta, plan: RingPlan, j: int, ct):
-    """Recompute block j's probabilities; return (dq part, dk_j, dv_j) of the block."""
-    kr, vr = _heads(kj.to(ct), plan.rep), _heads(vj.to(ct), plan.rep)
-    pieces = plan.fused(j, qc, vr)
+def _block_grads(ins, kj, vj, lse, plan: RingPlan, j: int, how, ct, rng):
+    """Block j's (dq part, dk_j, dv_j) in ``ct``; ``ins``: (q, dout, out) in the kernel's
+    input dtype and, made when an explicit block needs them, in ``ct`` with delta."""
+    kind, pieces = how
+    qi, dout, out = ins["q"], ins["dout"], ins["out"]
+    kr, vr = _heads(kj.to(qi.dtype), plan.rep), _heads(vj.to(qi.dtype), plan.rep)
     if pieces is not None:  # the fused kernel, with the *final* out and lse of the rows
-        dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kr), torch.zeros_like(vr)
+        if len(pieces) == 1 and pieces[0][0] == slice(0, qi.shape[-2]):
+            _, ks, causal = pieces[0]
+            cols = [x[..., ks, :] for x in (kr, vr)]
+            g = kernels.backward(kind, dout, qi, *cols, out, lse, causal, plan.scale, rng)
+            dk, dv = (kr.new_zeros(kr.shape, dtype=ct) for _ in range(2))
+            dk[..., ks, :], dv[..., ks, :] = g[1], g[2]
+            return g[0].to(ct), _fold(dk, plan.rep), _fold(dv, plan.rep)
+        dq = qi.new_zeros(qi.shape, dtype=ct)
+        dk, dv = kr.new_zeros(kr.shape, dtype=ct), vr.new_zeros(vr.shape, dtype=ct)
         for qs, ks, causal in pieces:
-            rows = [x[..., qs, :].contiguous() for x in (dout, qc)]
-            cols = [x[..., ks, :].contiguous() for x in (kr, vr)]
-            o_rows, lse_rows = out[..., qs, :].contiguous(), lse[..., qs].contiguous()
-            g = _FLASH_BACKWARD(*rows, *cols, o_rows, lse_rows, 0.0, causal, scale=plan.scale)
+            rows = [x[..., qs, :] for x in (dout, qi)]
+            cols = [x[..., ks, :] for x in (kr, vr)]
+            o_rows, lse_rows = out[..., qs, :], lse[..., qs]
+            g = kernels.backward(kind, *rows, *cols, o_rows, lse_rows, causal, plan.scale, rng)
             dq[..., qs, :] += g[0]
             dk[..., ks, :] += g[1]
             dv[..., ks, :] += g[2]
         return dq, _fold(dk, plan.rep), _fold(dv, plan.rep)
+    qc, dc, delta, lse_safe = ins["explicit"]()
+    kr, vr = kr.to(ct), vr.to(ct)
     p = plan.scores(qc, kr, j).sub_(lse_safe[..., None]).exp_()  # exact softmax (final lse)
-    dv = p.transpose(-2, -1) @ dout  # (*, H_q, S_kv_j, D_v)
-    ds = (dout @ vr.transpose(-2, -1)).sub_(delta[..., None]).mul_(p).mul_(plan.scale)
+    dv = p.transpose(-2, -1) @ dc  # (*, H_q, S_kv_j, D_v)
+    ds = (dc @ vr.transpose(-2, -1)).sub_(delta[..., None]).mul_(p).mul_(plan.scale)
     return ds @ kr, _fold(ds.transpose(-2, -1) @ qc, plan.rep), _fold(dv, plan.rep)
 
 
-def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict):
     """dq (local), dk, dv (of this rank's own K/V block, after their trip round the ring)."""
     ct = _compute_dtype(q.dtype)
-    qc, dout, out = q.to(ct), dout.to(ct), out.to(ct)
-    delta = (dout * out).sum(-1)  # (*, H_q, S_q)
-    lse_safe = lse.masked_fill(lse == NEG_INF, 0.0)
-    dq = torch.zeros(q.shape, dtype=ct, device=q.device)
+    it = kernels.input_dtype(plan.kernel, q.dtype)
+    ins = {"q": q.to(it), "dout": dout.to(it), "out": out.to(it)}
+
+    def explicit():  # q, dout, delta (*, H_q, S_q), lse (-inf as 0) in ct
+        qc, dc, oc = q.to(ct), dout.to(ct), out.to(ct)
+        return qc, dc, (dc * oc).sum(-1), lse.masked_fill(lse == NEG_INF, 0.0)
+
+    ins["explicit"] = _once(explicit)
+    dq = None
     kv, acc, acc_works, own = [k, v], None, [], None
     for t in range(plan.n):
         j = (plan.me - t) % plan.n
+        how = plan.how(j, q, kv[1])
         # 1. post the next K/V block (as in forward)
-        nxt, kv_works = _post_next_kv(plan, kv, j, t, "sdpa.ring backward")
+        nxt, kv_works = _post_next_kv(plan, kv, j, t, f"sdpa.ring backward [{how[0]}]")
         # 2. this rank's contribution to block j's gradients (dQ stays here)
-        if plan.visible(j, q.shape[-2]):
-            dq_j, dk_j, dv_j = _block_grads(
-                qc, kv[0], kv[1], dout, out, lse, lse_safe, delta, plan, j, ct
-            )
-            dq += dq_j
+        if how[0] != "skipped":
+            dq_j, dk_j, dv_j = _block_grads(ins, kv[0], kv[1], lse, plan, j, how, ct, rng)
+            dq = dq_j if dq is None else dq.add_(dq_j)
         else:
             dk_j = torch.zeros(kv[0].shape, dtype=ct, device=q.device)
             dv_j = torch.zeros(kv[1].shape, dtype=ct, device=q.device)
@@ -294,6 +349,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
     if plan.n > 1:
         _wait(acc_works)
         own = [own[0] + acc[0], own[1] + acc[1]]
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 
@@ -315,7 +372,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan):
         ctx.strides = [x.stride() for x in (q, k, v)]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = ring_forward(q, k, v, plan)
+        ctx.rng = {}  # what the CUDA kernels hand from forward to backward
+        out, lse = ring_forward(q, k, v, plan, ctx.rng)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return _layout_like(out, ctx.strides[0])
@@ -323,5 +381,5 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan)
+        grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.rng)
         return (*(_layout_like(g, st) for g, st in zip(grads, ctx.strides)), None)

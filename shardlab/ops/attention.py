@@ -45,6 +45,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout, chunk_sizes, offsets
+from shardlab.ops import _ring_kernels as kernels
 from shardlab.ops._ring import RingAttention, RingPlan
 from shardlab.ops.halo import peers_along
 from shardlab.ops.registry import register
@@ -172,10 +173,10 @@ def scaled_dot_product_attention(
     k_l = _local_kv(key, kl, ql, mesh, coord, rep)  # (B, H_kv, S_local_kv, D)
     v_l = _local_kv(value, vl, ql, mesh, coord, rep)  # (B, H_kv, S_local_kv, D_v)
     q_pos = kv_pos = None
-    if is_causal:  # true positions of my query rows and of every K/V block
+    if is_causal:  # true positions of my query rows and of every K/V block (on the CPU)
         a, b = ql.local_box(coord)[seq]
-        q_pos = _positions(ql, seq, mesh, q_l.device)[a:b]
-        kv_all = _positions(kl, seq, mesh, q_l.device)
+        q_pos = _positions(ql, seq, mesh)[a:b]
+        kv_all = _positions(kl, seq, mesh)
         kv_pos = [kv_all[s : s + n] for s, n in zip(kv_starts, kv_sizes)]
     plan = RingPlan(
         peers=peers,
@@ -188,6 +189,7 @@ def scaled_dot_product_attention(
         mask=_local_mask(attn_mask, query, key, mesh, coord),
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
         rep=rep,
+        kernel=kernels.choose_for(q_l, v_l),  # the same on every rank: dtype, dims, device
     )
 
     # 4. compute, and wrap the output like the query
@@ -335,12 +337,12 @@ def _local_mask(mask, query, key, mesh, coord):
     return local
 
 
-def _positions(lay, seq, mesh, device) -> torch.Tensor:
+def _positions(lay, seq, mesh) -> torch.Tensor:
     """True position of every stored row along ``seq`` (head-tail inside ``head_tail()``)."""
     length = lay.global_shape[seq]
     along = [m for m, p in enumerate(lay.placements) if p == Shard(seq)]
     if not _HEAD_TAIL.get() or not along:
-        return torch.arange(length, device=device)
+        return torch.arange(length)
     parts = mesh.shape[along[0]]
     if list(lay.sizes_along(seq)) != head_tail_sizes(length, parts):
         raise ValueError(
@@ -348,4 +350,4 @@ def _positions(lay, seq, mesh, device) -> torch.Tensor:
             f"{head_tail_sizes(length, parts)} (use attention.balance), got "
             f"{list(lay.sizes_along(seq))}"
         )
-    return head_tail_order(length, parts, device)
+    return head_tail_order(length, parts)

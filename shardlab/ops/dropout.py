@@ -97,5 +97,5 @@ def dropout(input, p=0.5, training=True, inplace=False):
     else:
         seed = int(torch.randint(0, 2**62, ()))  # same generator state -> same seed
         keep = (counter_uniform(seed, _global_flat_index(input)) >= p).to(x.dtype)
-    y = x * (keep / (1 - p))
+    y = x * (keep.to(x.device) / (1 - p))  # the noise is drawn on the CPU
     return rewrap(y, input, {}, input.shape)

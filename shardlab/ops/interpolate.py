@@ -119,6 +119,10 @@ def interpolate(
 
 
 def _resample(x, dim, pos, w):
+    """Rows ``pos`` (O, T) of ``x`` along ``dim``, weighted by ``w`` (O, T) and summed
+    over the taps (the table is planned on the CPU; it moves to ``x``'s device)."""
+    pos = pos.to(x.device)
+    w = None if w is None else w.to(x.device)
     if w is None:
         return x.index_select(dim, pos[:, 0].contiguous())
     shape = [1] * x.ndim

@@ -87,7 +87,7 @@ def _sync_norm(x, w, b, input, view, dims, count, stat_dims, name, eps, shift, p
         f"{name}.stats", eps, pview, fused,
     )  # fmt: skip
     if shift is None:
-        shift = torch.zeros((), dtype=_work_dtype(x))
+        shift = torch.zeros((), dtype=_work_dtype(x), device=x.device)
     return SyncNorm.apply(x, w, b, spec, shift)
 
 
@@ -230,7 +230,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     w, b = (_weight_block(t, input, k) for t in (weight, bias))
     n = math.prod(input.shape[d] for d in dims)
     spec = NormSpec(tuple(x.shape), tuple(dims), n, groups, "layer_norm.stats", eps, None, False)
-    y = SyncNorm.apply(x, w, b, spec, torch.zeros((), dtype=_work_dtype(x)))[0]
+    y = SyncNorm.apply(x, w, b, spec, torch.zeros((), dtype=_work_dtype(x), device=x.device))[0]
     return rewrap(y, input, {}, input.shape)
 
 

@@ -98,7 +98,7 @@ def _max_pool(name: str, n: int):
         local_shape = _local_shape(x, plans, shape, first)
         if 0 in local_shape:  # no output here (or an empty batch / channel shard)
             y = empty_like_output(x, local_shape)
-            idx = torch.zeros(local_shape, dtype=torch.long)
+            idx = torch.zeros(local_shape, dtype=torch.long, device=y.device)
         else:
             pad = [0 if first + i in plans else p[i] for i in range(n)]
             y = op(x, k, s, pad, d, ceil_mode=ceil_mode, return_indices=return_indices)
@@ -123,7 +123,7 @@ def _global_indices(idx, window, plans, spatial, first):
     for i, c in enumerate(reversed(coords)):
         if first + i in plans:  # window position -> global input row
             plan, me, _ = plans[first + i]
-            c = torch.tensor(plan.index_map(me), dtype=torch.long)[c]
+            c = torch.tensor(plan.index_map(me), dtype=torch.long, device=c.device)[c]
         flat = flat * spatial[i] + c
     return flat
 
@@ -176,7 +176,7 @@ def _divisor_fix(plan, me, dim, y, count_include_pad):
         fix.append(k / count)
     shape = [1] * y.ndim
     shape[dim] = hi - lo
-    return torch.tensor(fix, dtype=y.dtype).view(shape)
+    return torch.tensor(fix, dtype=y.dtype, device=y.device).view(shape)
 
 
 def _adaptive(name: str, n: int, kind: str):
@@ -239,9 +239,9 @@ def _adaptive_windows(length: int, out: int):
 
 def _window_flat_index(x, input, first, lead):
     """Global flat spatial index of every window element (N, C, *W) for return_indices."""
-    flat = torch.zeros(x.shape[lead:], dtype=torch.long)
+    flat = torch.zeros(x.shape[lead:], dtype=torch.long, device=x.device)
     for i, dim in enumerate(range(lead, input.ndim)):
-        rows = torch.arange(x.shape[dim]) + first.get(dim, (0,))[0]
+        rows = torch.arange(x.shape[dim], device=x.device) + first.get(dim, (0,))[0]
         view = [1] * (input.ndim - lead)
         view[i] = -1
         flat = flat * input.shape[dim] + rows.view(view)
@@ -256,6 +256,7 @@ def _reduce_dim(x, gidx, dim, starts, ends, a, kind, fill):
     idx = torch.tensor(
         [[b - a + t if t < n else pad_row for t in range(kmax)] for b, n in zip(starts, lens)],
         dtype=torch.long,
+        device=x.device,
     ).view(-1)
     fill_shape = list(x.shape)
     fill_shape[dim] = 1
@@ -264,7 +265,7 @@ def _reduce_dim(x, gidx, dim, starts, ends, a, kind, fill):
     if kind == "avg":
         shape = [1] * (g.ndim - 1)
         shape[dim] = len(starts)
-        return g.sum(dim + 1) / torch.tensor(lens, dtype=x.dtype).view(shape), None
+        return g.sum(dim + 1) / torch.tensor(lens, dtype=x.dtype, device=x.device).view(shape), None
     values, arg = g.max(dim + 1)
     if gidx is not None:
         gi = torch.cat([gidx, gidx.new_zeros(fill_shape)], dim).index_select(dim, idx)

@@ -57,6 +57,28 @@ def this_rank() -> RankContext:
     return _CONTEXT
 
 
+def rank_device_type(backend: str, device: str | None) -> str:
+    """The device type the ranks' tensors live on: ``device`` checked against the
+    backend (``None``: nccl's ``"cuda"``, gloo's ``"cpu"``; ``"auto"``: ``"cuda"``
+    where torch sees a GPU). Looks for GPUs without initialising CUDA."""
+    import torch
+
+    if device is None:
+        return "cuda" if backend == "nccl" else "cpu"
+    if device == "auto":
+        return "cuda" if backend == "nccl" or torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"Ranks(device={device!r}): supported are 'cpu', 'cuda' and 'auto'")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("Ranks(backend='nccl', device='cpu'): nccl needs CUDA; use gloo on CPU")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "Ranks(device='cuda'): torch sees no GPU here (torch.cuda.is_available() is "
+            "False); use device='cpu' or 'auto'"
+        )
+    return device
+
+
 def init_rank(
     rank: int,
     world_size: int,
@@ -64,12 +86,15 @@ def init_rank(
     timeout: float,
     store: Any = None,
     local_rank: int | None = None,
+    device: str | None = None,
 ) -> RankContext:
     """Create the process group and the default 1-D mesh for this process.
 
     ``store`` is a c10d store (the pool passes a TCPStore client); ``None``
     uses the ``env://`` rendezvous of torchrun. ``timeout`` (seconds) bounds
     every collective, also on sub-groups created later (for 2-D meshes).
+    ``device``: see :func:`rank_device_type`; on CUDA, rank r uses GPU
+    ``local_rank % count`` (several gloo ranks may share one).
     """
     global _CONTEXT
     import torch
@@ -78,8 +103,8 @@ def init_rank(
     from torch.distributed.device_mesh import init_device_mesh
 
     local_rank = rank if local_rank is None else local_rank
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+    if rank_device_type(backend, device) == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

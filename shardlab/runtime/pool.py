@@ -64,7 +64,13 @@ class Ranks:
 
     Args:
         n: number of ranks (>= 1). Under torchrun, ``None`` or ``WORLD_SIZE``.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        backend: ``"gloo"`` (CPU, or CUDA tensors staged as below) or ``"nccl"``
+            (one GPU per rank).
+        device: where each rank's tensors live: ``"cpu"`` (gloo's default),
+            ``"cuda"`` (nccl's; with gloo: N ranks may share one GPU, rank r on GPU
+            r % count, collectives on CUDA tensors through gloo and point-to-point
+            messages staged through host memory: for learning on one GPU, not for
+            speed), or ``"auto"`` (``"cuda"`` where torch sees a GPU, else ``"cpu"``).
         timeout: seconds after which a collective that cannot complete (a rank
             missing, a mismatched collective) fails; the pool then restarts
             itself on the next call.
@@ -81,6 +87,7 @@ class Ranks:
         n: int | None = None,
         backend: str = "gloo",
         *,
+        device: str | None = None,
         timeout: float = 30.0,
         grace: float = 2.0,
         start_method: str | None = None,
@@ -101,6 +108,7 @@ class Ranks:
             )
         self.world_size = n
         self.backend = backend
+        self.device = context.rank_device_type(backend, device)
         self.timeout = float(timeout)
         self.grace = float(grace)
         self.attached = env is not None
@@ -117,7 +125,7 @@ class Ranks:
                     f"pass Ranks() or Ranks({env[1]})"
                 )
             self._rank_ctx = context._CONTEXT or context.init_rank(
-                env[0], env[1], backend, self.timeout, local_rank=env[2]
+                env[0], env[1], backend, self.timeout, local_rank=env[2], device=self.device
             )
             return
         if backend == "nccl":
@@ -177,6 +185,7 @@ class Ranks:
                     self.backend,
                     self.timeout,
                     self.threads,
+                    self.device,
                 ),
                 name=f"shardlab-rank-{rank}",
                 daemon=True,
@@ -232,7 +241,7 @@ class Ranks:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("attached" if self.attached else "running")
         return (
-            f"Ranks({self.world_size}, backend={self.backend!r}, {state}, "
+            f"Ranks({self.world_size}, backend={self.backend!r}, device={self.device!r}, {state}, "
             f"timeout={self.timeout:g}s)"
         )
 

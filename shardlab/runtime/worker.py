@@ -148,6 +148,7 @@ def main(
     backend: str,
     timeout: float,
     threads: int,
+    device: str = "cpu",
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, _on_interrupt)
@@ -169,7 +170,7 @@ def main(
             is_master=False,
             timeout=__import__("datetime").timedelta(seconds=timeout),
         )
-        context.init_rank(rank, world_size, backend, timeout, store=store)
+        context.init_rank(rank, world_size, backend, timeout, store=store, device=device)
     except BaseException as exc:  # noqa: BLE001
         conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc(), "", False))
         return

@@ -48,15 +48,57 @@ def wire(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().contiguous()
 
 
-def post(ops: list) -> list:
-    """``batch_isend_irecv`` of ``ops``, every sent tensor made :func:`wire`-ready."""
+def needs_staging(device_type: str, backend: str) -> bool:
+    """gloo moves device (CUDA) tensors in collectives, but its point-to-point
+    messages abort on them: there they travel through host memory."""
+    return device_type != "cpu" and backend == "gloo"
+
+
+class _Staged:
+    """The works of point-to-point messages that travel through host memory:
+    ``wait()`` waits for them, then copies each received buffer to its device tensor
+    (every other call waits on all the works too)."""
+
+    def __init__(self, works: list, copies: list):
+        self.works, self.copies = works, copies
+
+    def wait(self, *args) -> bool:
+        for w in self.works:
+            w.wait(*args)
+        for dst, host in self.copies:
+            dst.copy_(host)
+        self.works, self.copies = [], []
+        return True
+
+
+def post(ops: list, stage: bool | None = None) -> list:
+    """``batch_isend_irecv`` of ``ops``, every sent tensor made :func:`wire`-ready.
+
+    Where the group's backend cannot send the tensors' device (:func:`needs_staging`;
+    ``stage`` forces it either way), every message goes through host memory: sends
+    copy to the host first, receives land in host buffers and reach their tensors
+    when the returned work is waited for (one work for all of them)."""
+    if not ops:
+        return []
     ready = [
         dist.P2POp(op.op, wire(op.tensor), op.peer, op.group, op.tag)
         if op.op is dist.isend and (op.tensor.is_conj() or op.tensor.is_neg())
         else op
         for op in ops
     ]
-    return dist.batch_isend_irecv(ready) if ready else []
+    if stage is None:
+        stage = needs_staging(ready[0].tensor.device.type, dist.get_backend(ready[0].group))
+    if not stage:
+        return dist.batch_isend_irecv(ready)
+    host_ops, copies = [], []
+    for op in ready:
+        if op.op is dist.isend:
+            host = op.tensor.to("cpu", copy=True)
+        else:
+            host = torch.empty(op.tensor.shape, dtype=op.tensor.dtype)
+            copies.append((op.tensor, host))
+        host_ops.append(dist.P2POp(op.op, host, op.peer, op.group, op.tag))
+    return [_Staged(dist.batch_isend_irecv(host_ops), copies)]
 
 
 def run_p2p(ops: list) -> None:

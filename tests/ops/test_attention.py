@@ -163,6 +163,33 @@ def test_ring_sweep_2d_mesh(ranks_for):
     assert ranks_for(4).run(_sweep((2, 2), 14, seed=7)) == [14] * 4
 
 
+@pytest.mark.parametrize("shape", [(10, 8), (3, 10, 8), (2, 2, 3, 10, 8)])
+def test_any_number_of_leading_dims(ranks_for, shape):
+    """q, k, v of shape (S, D), (H, S, D) or (B1, B2, H, S, D), as torch's SDPA takes
+    them: the fused blocks see them as 4-D (B, H, S, D)."""
+
+    def body():
+        mesh, seq = this_rank().mesh, len(shape) - 2
+        out = []
+        for causal in (False, True):
+            gen = torch.Generator().manual_seed(len(shape))
+            q, k, v = (torch.randn(shape, generator=gen, dtype=f64, requires_grad=True)
+                       for _ in range(3))  # fmt: skip
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+            with shardlab.patched():
+                qs, ks, vs = (distribute(x, mesh, [Shard(seq)], [[4, 3, 3]]) for x in (q, k, v))
+                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).full_tensor()
+            grads = torch.autograd.grad(y.square().sum(), (q, k, v))
+            out.append(
+                max((a - b).abs().max().item() for a, b in zip((y, *grads), (ref, *ref_grads)))
+            )
+        return out
+
+    for errs in ranks_for(3).run(body):
+        assert max(errs) < 1e-12, errs
+
+
 def test_replicated_kv_is_local(ranks_for):
     """q sharded, k/v plain or Replicate(): no ring and no message forward; k/v
     gradients are the full sums (one all-reduce-like redistribute in backward)."""

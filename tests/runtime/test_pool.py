@@ -185,6 +185,8 @@ def _children():
         (dict(n=2, backend="mpi"), ValueError, "supported backends"),
         (dict(n=2, timeout=0), ValueError, "timeout"),
         (dict(n=2, start_method="fork"), ValueError, "start_method"),
+        (dict(n=2, device="tpu"), ValueError, "device='tpu'.*'cpu', 'cuda' and 'auto'"),
+        (dict(n=2, backend="nccl", device="cpu"), ValueError, "nccl needs CUDA"),
     ],
 )
 def test_bad_arguments(kwargs, exc, match):
@@ -200,6 +202,17 @@ def test_nccl_without_gpus_is_a_clear_error():
     with pytest.raises(RuntimeError, match="GPUs"):
         Ranks(2, backend="nccl")
     assert _children() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with GPUs")
+def test_cuda_without_gpus_is_a_clear_error_and_auto_is_cpu():
+    before = _children()
+    with pytest.raises(RuntimeError, match="device='cuda'.*sees no GPU"):
+        Ranks(2, device="cuda")
+    assert _children() == before
+    with Ranks(1, device="auto") as ranks:
+        assert ranks.device == "cpu" and "device='cpu'" in repr(ranks)
+        assert ranks.run(lambda: shardlab.this_rank().device.type) == ["cpu"]
 
 
 def test_closed_pool_refuses_calls():

@@ -140,7 +140,8 @@ def test_same_script_under_torchrun(tmp_path):
         import atexit, os, torch, torch.distributed as dist, shardlab
 
         def threads():  # runs after shardlab's exit handler (registered later)
-            names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+            tasks = os.listdir("/proc/self/task")
+            names = [open(f"/proc/self/task/{t}/comm").read() for t in tasks]
             gloo = sum("gloo" in n for n in names)
             print(f"rank {os.environ['RANK']}: gloo threads left at exit: {gloo}", flush=True)
 

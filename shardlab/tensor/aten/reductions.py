@@ -191,8 +191,8 @@ def _arg_extreme(func, args, kwargs):
     if src.shape[d] == 0:
         shape = list(src.shape)
         del shape[d]
-        vals = torch.full(shape, _identity(local.dtype, is_max), dtype=local.dtype)
-        idx = torch.full(shape, torch.iinfo(torch.int64).max, dtype=torch.int64)
+        vals = local.new_full(shape, _identity(local.dtype, is_max))
+        idx = local.new_full(shape, torch.iinfo(torch.int64).max, dtype=torch.int64)
     else:
         vals, idx = (torch.max if is_max else torch.min)(src, dim=d)
         idx = _global_index(idx, x, d, flat)

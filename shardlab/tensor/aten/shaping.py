@@ -336,7 +336,7 @@ def _tril(func, args, kwargs):
     if func is aten.triu.default:
         keep = (cols[None, :] - rows[:, None]) >= diagonal
     local = x._local_tensor
-    return c.wrap(torch.where(keep, local, torch.zeros((), dtype=local.dtype)), mesh, lay)
+    return c.wrap(torch.where(keep, local, local.new_zeros(())), mesh, lay)
 
 
 @register(aten.index.Tensor)
