@@ -12,6 +12,11 @@ Run: ``python benchmarks/bench_conv.py [--size 1024] [--channels 16] [--ranks 4]
    Target: at most 1/N of single device plus the halo, +10 %.
 3. Overhead of a patched ``F.conv2d`` call on plain tensors against the unpatched one.
    Target: at most 2 us or 2 %.
+4. Halo exchange overlapped with the convolution: the exchange alone (post, then wait
+   for every message) against what is left to wait for once the convolution of the
+   window has run (``_conv_overlap``: the messages travel meanwhile); hidden = 1 - left
+   / exchange. Also one forward with the overlap on and off (``conv.halo_overlap``).
+   Median of ``--reps``, slowest rank.
 """
 
 from __future__ import annotations
@@ -102,6 +107,70 @@ def _bytes(size, channels):
     return ours, bound, err_ours, theirs
 
 
+def _overlap(size, channels, reps):
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard
+
+    import shardlab
+    from shardlab.demo._common import gather
+    from shardlab.layout import chunk_sizes, conv_plan
+    from shardlab.ops import _conv_overlap
+    from shardlab.ops import conv as C
+    from shardlab.ops.halo import peers_along, post_halo
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    mesh = shardlab.this_rank().mesh
+    torch.manual_seed(0)
+    w = torch.randn(channels, channels, 3, 3)
+    sizes = list(chunk_sizes(size, n))
+    local = torch.randn(1, channels, sizes[me], size)  # (1, C, H_local, W)
+    x = shardlab.ShardTensor.from_local(local, mesh, [Shard(2)], [sizes])
+    plan, (peers, pos) = conv_plan(sizes, 3, 1, 1, (1, 1)), peers_along(mesh, 0)
+    left = []  # seconds the overlapped convolution still waited for its messages
+
+    class Timed:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            t0 = time.perf_counter()
+            self.work.wait()
+            left[-1] += time.perf_counter() - t0
+
+    def timed_post(*args):
+        bufs, works = post_halo(*args)
+        left.append(0.0)
+        return bufs, [Timed(w) for w in works]
+
+    def forward(on):
+        with shardlab.patched(), C.halo_overlap(on), torch.no_grad():
+            F.conv2d(x, w, None, 1, 1)
+
+    def exchange():
+        for work in post_halo(local, plan, peers, pos, 2, sum(sizes[:me]), "bench")[1]:
+            work.wait()
+
+    steps = {"on": lambda: forward(True), "off": lambda: forward(False), "exchange": exchange}
+    times: dict = {k: [] for k in steps}
+    _conv_overlap.post_halo = timed_post
+    try:
+        for _ in range(reps + 1):  # the first round warms up
+            for k, fn in steps.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+    finally:
+        _conv_overlap.post_halo = post_halo
+    times["left"] = left
+    return {k: max(gather(statistics.median(v[1:]))) for k, v in times.items()}
+
+
 def _overhead(reps=20000, rounds=9):
     """Best-of-``rounds`` per-call time, plain and patched rounds interleaved."""
     import torch
@@ -126,6 +195,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
     n = a.ranks
     with shardlab.Ranks(n) as ranks:
@@ -162,6 +232,23 @@ def main() -> None:
         f"{best['plain'] * 1e6:.2f} us, patched {best['patched'] * 1e6:.2f} us, overhead "
         f"{diff * 1e6:.2f} us ({100 * diff / best['plain']:.1f} %)"
     )
+    print(
+        f"\n## halo exchange overlapped with the convolution: F.conv2d({a.channels} -> "
+        f"{a.channels}, 3, padding=1) forward, H sharded, median of {a.reps}, slowest rank, ms"
+    )
+    print("| ranks | image | exchange alone | left to wait after the conv | hidden | "
+          "forward, overlap off | forward, overlap on |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for k in sorted({2, n}):
+        for size in (a.size // 4, a.size):
+            with shardlab.Ranks(k) as ranks:
+                r = ranks.run(_overlap, size, a.channels, a.reps)[0]
+            print(
+                f"| {k} | {size} x {size} | {1e3 * r['exchange']:.2f} | {1e3 * r['left']:.2f} | "
+                f"{100 * (1 - r['left'] / r['exchange']):.0f} % | {1e3 * r['off']:.1f} | "
+                f"{1e3 * r['on']:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

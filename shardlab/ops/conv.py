@@ -10,6 +10,11 @@ mesh) or along the batch::
        (conv_transpose: then crop to the rank's outputs)
     3. output (N, C_out, *spatial_out) sharded like the input, exact sizes
 
+With one sharded spatial dim (a convolution, not transposed), steps 1 and 2 overlap:
+the halo messages travel while the interior outputs are computed on the rank's own
+rows (``_conv_overlap.py``; the same messages and results, no window copy;
+``with conv.halo_overlap(False):`` exchanges first).
+
 Backward: the halo gradients go back to their owners (same messages,
 reversed); the weight and bias gradients are Partial over the sharded mesh
 dims and summed when read (one all-reduce each), so plain ``nn.Parameter``
@@ -18,13 +23,32 @@ gradients equal single device.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import conv_plan, same_padding
 from shardlab.layout._checks import placement_str
+from shardlab.ops._conv_overlap import OverlappedConv, interior
 from shardlab.ops.halo import Halo, WindowRecipe, peers_along
 from shardlab.ops.registry import register
+
+__all__ = ["halo_overlap"]
+
+_OVERLAP: contextvars.ContextVar[bool] = contextvars.ContextVar("halo_overlap", default=True)
+
+
+@contextlib.contextmanager
+def halo_overlap(enabled: bool = True):
+    """Inside: sharded convolutions overlap their halo messages with the interior (on,
+    by default) or exchange first and compute after (``False``: for comparison)."""
+    token = _OVERLAP.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _OVERLAP.reset(token)
 
 
 def _tuple(name: str, value, n: int) -> tuple[int, ...]:
@@ -115,6 +139,13 @@ def _conv(name: str, n: int, transposed: bool):
         w = replicated_param(weight, mesh, layout.placements)
         b = replicated_param(bias, mesh, layout.placements)
         local_pad, local_out_pad, crops, out_sizes = [], [], {}, {}
+        sharded = [i for i in range(n) if any(p == Shard(2 + i) for p in layout.placements)]
+        overlap = (
+            _OVERLAP.get()
+            and not transposed
+            and len(sharded) == 1
+            and all(pads[i][0] == pads[i][1] for i in range(n) if i not in sharded)
+        )
         for i in range(n):
             dim = 2 + i
             mesh_dims = [
@@ -138,12 +169,21 @@ def _conv(name: str, n: int, transposed: bool):
             )
             peers, me = peers_along(mesh, m)
             offset = layout.local_offset(tuple(mesh.get_coordinate()))[dim]
-            x = Halo.apply(x, plan, dim, peers, me, offset, 0.0, f"{name}.halo", recipe.stages)
+            geometry = overlap and interior(plan, me, offset, k[i], s[i], d[i])
+            if geometry:  # the exchange overlaps the interior (below)
+                overlap = (dim, plan, peers, me, offset, geometry, k[i], s[i], d[i])
+            else:
+                overlap = False
+                x = Halo.apply(x, plan, dim, peers, me, offset, 0.0, f"{name}.halo", recipe.stages)
             local_pad.append((0, 0))
             local_out_pad.append(0)
             crops[dim] = plan.crop(me)
             out_sizes[m] = list(plan.out_sizes)
-        if any(x.shape[dim] == 0 for dim in crops) or any(
+        if overlap:
+            conv_args = (s, [lp[0] for lp in local_pad], d, groups)
+            rebuild = recipe.block is not None  # the image stays alive: no window copy kept
+            y = OverlappedConv.apply(x, w, b, overlap, conv_args, f"{name}.halo", rebuild)
+        elif any(x.shape[dim] == 0 for dim in crops) or any(
             sizes_m[me_m] == 0 for sizes_m, me_m in _mine(out_sizes, mesh)
         ):  # this rank owns no output: torch refuses an empty window, so build the
             # empty result directly, still tied to x, w, b for the backward exchanges

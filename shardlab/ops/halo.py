@@ -17,15 +17,70 @@ import torch
 import torch.distributed as dist
 
 from shardlab.layout import ConvPlan
-from shardlab.tensor.comm import run_p2p
+from shardlab.tensor.comm import post
 from shardlab.trace import label
 
 
-def _exchange(sends, recvs):
-    """Post all sends and receives at once; return when they are done."""
+def _post(sends, recvs) -> list:
+    """Post all sends and receives at once; return their works (wait for them)."""
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
-    run_p2p(ops)
+    return post(ops)
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def post_halo(local, plan: ConvPlan, peers, me, dim, offset, cause):
+    """Post the window's messages (no autograd): every row this rank sends, a buffer for
+    every row it receives. Returns (receive buffers, works)."""
+    rows = lambda t, a, b: t.narrow(dim, a - offset, b - a)  # noqa: E731
+    recv_bufs = []
+    for _src, a, b in plan.recvs(me):
+        shape = list(local.shape)
+        shape[dim] = b - a
+        recv_bufs.append(local.new_empty(shape))
+    with label(cause, "forward"):
+        works = _post(
+            [(peers[d], rows(local.detach(), a, b)) for d, a, b in plan.sends(me)],
+            [(peers[s], buf) for (s, _, _), buf in zip(plan.recvs(me), recv_bufs)],
+        )
+    return recv_bufs, works
+
+
+def _send_back(ctx, grad):
+    """The window's gradient ``grad`` home: my rows' part added to my block, each
+    received row's part sent back to its owner and added there. Returns my block's."""
+    plan, dim, me, offset = ctx.plan, ctx.dim, ctx.me, ctx.offset
+    shape = list(grad.shape)
+    if ctx.idx is None:  # the window is the rows in order: its gradient too
+        g_buf = grad.narrow(dim, ctx.lead, ctx.buf_len - 1)
+    else:
+        shape[dim] = ctx.buf_len
+        g_buf = grad.new_zeros(shape).index_add_(dim, ctx.idx, grad)
+    shape[dim] = ctx.local_len
+    g_local = grad.new_zeros(shape)
+    pos, back = 0, []
+    for src, a, b in plan.blocks(me):
+        part = g_buf.narrow(dim, pos, b - a)
+        pos += b - a
+        if src == me:
+            g_local.narrow(dim, a - offset, b - a).add_(part)
+        else:
+            back.append((ctx.peers[src], part))
+    incoming = []
+    for _, a, b in plan.sends(me):
+        shape[dim] = b - a
+        incoming.append(grad.new_empty(shape))
+    with label(ctx.cause, "backward"):
+        _wait(
+            _post(back, [(ctx.peers[d], buf) for (d, _, _), buf in zip(plan.sends(me), incoming)])
+        )
+    for (_, a, b), buf in zip(plan.sends(me), incoming):
+        g_local.narrow(dim, a - offset, b - a).add_(buf)
+    return g_local
 
 
 class Halo(torch.autograd.Function):
@@ -38,55 +93,26 @@ class Halo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, plan: ConvPlan, dim, peers, me, offset, fill, cause, recipe=None):
         ctx.plan, ctx.dim, ctx.peers, ctx.me, ctx.offset = plan, dim, peers, me, offset
-        ctx.recipe = recipe
         ctx.local_len, ctx.cause = local.shape[dim], cause
-        rows = lambda t, a, b: t.narrow(dim, a - offset, b - a)  # noqa: E731
-        recv_bufs = []
-        for _src, a, b in plan.recvs(me):
-            shape = list(local.shape)
-            shape[dim] = b - a
-            recv_bufs.append(local.new_empty(shape))
-        with label(cause, "forward"):
-            _exchange(
-                [(peers[d], rows(local, a, b)) for d, a, b in plan.sends(me)],
-                [(peers[s], buf) for (s, _, _), buf in zip(plan.recvs(me), recv_bufs)],
-            )
         ctx.buf_len = sum(b - a for _, a, b in plan.blocks(me)) + 1
+        recv_bufs, works = post_halo(local, plan, peers, me, dim, offset, cause)
+        _wait(works)
         window, ctx.idx, ctx.lead = assemble(local, recv_bufs, plan, dim, me, offset, fill)
-        if ctx.recipe is not None:  # let the caller rebuild this window instead of saving it
-            ctx.recipe.append((recv_bufs, plan, dim, me, offset, fill))
+        if recipe is not None:  # let the caller rebuild this window instead of saving it
+            recipe.append((recv_bufs, plan, dim, me, offset, fill))
         return window
 
     @staticmethod
     def backward(ctx, grad):
-        plan, dim, me, offset = ctx.plan, ctx.dim, ctx.me, ctx.offset
-        shape = list(grad.shape)
-        if ctx.idx is None:  # the window is the rows in order: its gradient too
-            g_buf = grad.narrow(dim, ctx.lead, ctx.buf_len - 1)
-        else:
-            shape[dim] = ctx.buf_len
-            g_buf = grad.new_zeros(shape).index_add_(dim, ctx.idx, grad)
-        shape[dim] = ctx.local_len
-        g_local = grad.new_zeros(shape)
-        pos, back = 0, []
-        for src, a, b in plan.blocks(me):
-            part = g_buf.narrow(dim, pos, b - a)
-            pos += b - a
-            if src == me:
-                g_local.narrow(dim, a - offset, b - a).add_(part)
-            else:
-                back.append((ctx.peers[src], part))
-        incoming = []
-        for _, a, b in plan.sends(me):
-            shape[dim] = b - a
-            incoming.append(grad.new_empty(shape))
-        with label(ctx.cause, "backward"):
-            _exchange(
-                back, [(ctx.peers[d], buf) for (d, _, _), buf in zip(plan.sends(me), incoming)]
-            )
-        for (_, a, b), buf in zip(plan.sends(me), incoming):
-            g_local.narrow(dim, a - offset, b - a).add_(buf)
-        return g_local, None, None, None, None, None, None, None, None
+        return _send_back(ctx, grad), None, None, None, None, None, None, None, None
+
+
+def simple_window(plan, me) -> tuple[int, int] | None:
+    """(lead, trail) padding rows when rank ``me``'s window is [pad] * lead + its blocks'
+    rows in order + [pad] * trail (no reflection, wrap-around or dilation gap), else None."""
+    total = sum(b - a for _, a, b in plan.blocks(me))
+    lead, trail = _edges(plan.local_index(me), total)
+    return None if lead is None else (lead, trail)
 
 
 def assemble(local, recv_bufs, plan, dim, me, offset, fill):

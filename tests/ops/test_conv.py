@@ -157,6 +157,68 @@ CASES = [  # (name, spatial, k, s, d, padding, sizes) the known-hard ones, 1-D o
 ]
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_halo_overlap_is_the_same_computation(ranks_for, world):
+    """With one sharded spatial dim, the halo messages travel while the interior is
+    computed: the output and the input, weight and bias gradients equal one device, and
+    the messages (count, peers, bytes) are those of exchanging first (halo_overlap off);
+    kernels 1-5, strides 1-4, dilations 1-3, paddings, uneven and empty shards."""
+
+    def body():
+        import torch.nn.functional as F
+
+        from shardlab.ops import conv as C
+        from shardlab.trace import trace
+
+        mesh, rng = this_rank().mesh, random.Random(world)
+        taken, worst = [], 0.0
+        overlapped = C.OverlappedConv.apply
+
+        def spy(*args, **kwargs):
+            taken.append(1)
+            return overlapped(*args, **kwargs)
+
+        C.OverlappedConv.apply = spy
+        try:
+            for case in range(40):
+                n = rng.choice([1, 2])
+                k, s_, d_ = rng.randint(1, 5), rng.randint(1, 4), rng.randint(1, 3)
+                pad = rng.choice([0, 1, 2, "same"]) if s_ == 1 else rng.randint(0, 2)
+                length = rng.randint(max(12, d_ * (k - 1) + 1), 40)
+                sizes = random_sizes(rng, length, world)
+                gen = torch.Generator().manual_seed(case)
+                width = d_ * (k - 1) + 1 + rng.randint(0, 3)  # the unsharded dim (2-D)
+                shape = (2, 3, length) + ((width,) if n == 2 else ())
+                x = torch.randn(shape, generator=gen, dtype=torch.float64)
+                x.requires_grad_(case % 4 != 0)  # an image needs no gradient (nor messages)
+                w = torch.randn((4, 3) + (k,) * n, generator=gen, dtype=torch.float64,
+                                requires_grad=True)  # fmt: skip
+                b = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+                name = "conv1d" if n == 1 else "conv2d"
+                args = (s_, pad, d_)
+                ref = getattr(F, name)(x, w, b, *args)
+                leaves = [t for t in (x, w, b) if t.requires_grad]
+                got, messages = {}, {}
+                for on in (True, False):
+                    with shardlab.patched(), C.halo_overlap(on), trace() as t:
+                        xs = distribute(x, mesh, [Shard(2)], [sizes])
+                        y = getattr(F, name)(xs, w, b, *args)  # the patched function
+                        y = y.full_tensor()
+                        grads = torch.autograd.grad(y.square().sum(), leaves)
+                    got[on] = (y, *grads)
+                    messages[on] = sorted((e.kind, e.peer, e.bytes) for e in t.events)
+                want = (ref, *torch.autograd.grad(ref.square().sum(), leaves))
+                for a, r in zip(got[True], want):
+                    worst = max(worst, (a - r).abs().max().item() / (1 + r.abs().max().item()))
+                assert messages[True] == messages[False], (case, sizes, k, s_, d_, pad)
+        finally:
+            del C.OverlappedConv.apply  # torch's own, inherited, again
+        return worst, len(taken)
+
+    for worst, taken in ranks_for(world).run(body):
+        assert worst < 1e-12 and taken >= 3, (worst, taken)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_named_cases_and_exact_bytes(ranks_for, case):
     name, length, k, s, d, padding, sizes = case
