@@ -284,8 +284,11 @@ def _block_grads(ins, kj, vj, lse, plan: RingPlan, j: int, how, ct, rng):
             _, ks, causal = pieces[0]
             cols = [x[..., ks, :] for x in (kr, vr)]
             g = kernels.backward(kind, dout, qi, *cols, out, lse, causal, plan.scale, rng)
-            dk, dv = (kr.new_zeros(kr.shape, dtype=ct) for _ in range(2))
-            dk[..., ks, :], dv[..., ks, :] = g[1], g[2]
+            if ks == slice(0, kr.shape[-2]):  # every key row
+                dk, dv = g[1].to(ct), g[2].to(ct)
+            else:
+                dk, dv = kr.new_zeros(kr.shape, dtype=ct), vr.new_zeros(vr.shape, dtype=ct)
+                dk[..., ks, :], dv[..., ks, :] = g[1], g[2]
             return g[0].to(ct), _fold(dk, plan.rep), _fold(dv, plan.rep)
         dq = qi.new_zeros(qi.shape, dtype=ct)
         dk, dv = kr.new_zeros(kr.shape, dtype=ct), vr.new_zeros(vr.shape, dtype=ct)

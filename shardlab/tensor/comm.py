@@ -72,7 +72,7 @@ class _Staged:
 
 
 def post(ops: list, stage: bool | None = None) -> list:
-    """``batch_isend_irecv`` of ``ops``, every sent tensor made :func:`wire`-ready.
+    """``batch_isend_irecv`` of ``ops``, every sent tensor made :func:`wire`-ready (dense).
 
     Where the group's backend cannot send the tensors' device (:func:`needs_staging`;
     ``stage`` forces it either way), every message goes through host memory: sends
@@ -82,7 +82,8 @@ def post(ops: list, stage: bool | None = None) -> list:
         return []
     ready = [
         dist.P2POp(op.op, wire(op.tensor), op.peer, op.group, op.tag)
-        if op.op is dist.isend and (op.tensor.is_conj() or op.tensor.is_neg())
+        if op.op is dist.isend
+        and (op.tensor.is_conj() or op.tensor.is_neg() or not op.tensor.is_contiguous())
         else op
         for op in ops
     ]
