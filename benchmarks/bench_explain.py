@@ -14,7 +14,9 @@ column); "on, memory=True" adds the CPU memory column, a dispatch mode that coun
 tensor bytes op by op. The three modes run interleaved, ``reps`` rounds after a warm-up;
 a step is timed from a barrier to a barrier, i.e. until the slowest rank is done
 (explain's closing gather waits for it, so the plain step must be timed the same way);
-median per mode.
+median per mode. "CPU overhead": the CPU time the ranks spend in a step (process time,
+summed over the ranks), on against off: explain's own work, which the wall time shows
+only through the noise of more ranks than cores.
 """
 
 from __future__ import annotations
@@ -104,16 +106,20 @@ def body(name, reps, big):
 
     modes = {"off": step, "on": explained(None), "on, memory=True": explained(True)}
     times: dict = {mode: [] for mode in modes}
+    cpu: dict = {mode: [] for mode in modes}
     for fn in modes.values():
         fn()  # warm-up
     for _ in range(reps):  # interleaved: a slow moment of the machine hits every mode
         for mode, fn in modes.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
+            c1 = time.process_time()
             dist.barrier()  # until the slowest rank is done
             times[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(c1 - c0)
     out = {mode: max(gather(statistics.median(t))) for mode, t in times.items()}
+    out.update({f"cpu {m}": sum(gather(statistics.median(t))) for m, t in cpu.items()})
     return out
 
 
@@ -130,8 +136,11 @@ def main() -> None:
         f"{a.ranks} gloo ranks, step = forward + backward of the model's loss, median of "
         f"{a.reps}, barrier to barrier (the slowest rank)\n"
     )
-    print("| model | input | off ms | explain on ms | overhead | on, memory=True ms | overhead |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| model | input | off ms | explain on ms | overhead | CPU overhead | "
+        "on, memory=True ms | overhead |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     with shardlab.Ranks(a.ranks) as ranks:
         for name in a.models.split(","):
             for big in (False, True):
@@ -144,9 +153,10 @@ def main() -> None:
                     size = "S = 512" if big else "S = 64"
                 elif size is None:
                     size = "128 x 128" if big else "32 x 32"
+                cpu = r["cpu on"] / r["cpu off"] - 1
                 print(
                     f"| {name} | {size} | {1e3 * off:.0f} | {1e3 * on:.0f} | "
-                    f"{100 * (on / off - 1):+.0f} % | {1e3 * mem:.0f} | "
+                    f"{100 * (on / off - 1):+.0f} % | {100 * cpu:+.0f} % | {1e3 * mem:.0f} | "
                     f"{100 * (mem / off - 1):+.0f} % |",
                     flush=True,
                 )

@@ -1,11 +1,11 @@
 """Recording: ``with shardlab.trace() as t:`` and ``with shardlab.trace.label(...)``.
 
-Every message between ranks passes through the torch dispatcher as a c10d op
-(``c10d.allreduce_``, ``c10d.send`` …, what ``torch.distributed`` calls) or a
-functional collective (``_c10d_functional.all_gather_into_tensor`` …, what
-DTensor calls). While a trace is open, a Python kernel on just those ops sees
-them all, including send/recv and ``batch_isend_irecv`` (below: how); no other op
-pays anything. When no trace is open, nothing is installed: tracing costs nothing.
+Every message between ranks goes through a ``ProcessGroup`` method (``allreduce``,
+``send`` …: what ``torch.distributed`` calls, ``batch_isend_irecv`` included) or a
+functional collective (``_c10d_functional.all_gather_into_tensor`` …, what DTensor
+calls). While a trace is open, those methods are wrapped and those ops get a Python
+kernel (below: how); no other op pays anything. When no trace is open, nothing is
+installed: tracing costs nothing.
 A trace sees the messages of every thread of its process (autograd's, too) while
 it is open.
 
@@ -35,28 +35,40 @@ __all__ = ["trace", "label", "current_label"]
 
 _LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("shardlab_trace_label", default="")
 
-# op name -> (event kind, name of the payload argument, name of the peer argument)
-_C10D = {
-    "allreduce_": ("all_reduce", "tensors", None),
-    "allreduce_coalesced_": ("all_reduce", "tensors", None),
-    "allgather_": ("all_gather", "input_tensors", None),
-    "_allgather_base_": ("all_gather", "input_tensor", None),
-    "allgather_coalesced_": ("all_gather", "input_list", None),
-    "allgather_into_tensor_coalesced_": ("all_gather", "inputs", None),
-    "reduce_scatter_": ("reduce_scatter", "input_tensors", None),
-    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor", None),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs", None),
-    "alltoall_": ("all_to_all", "input_tensors", None),
-    "alltoall_base_": ("all_to_all", "input", None),
-    "broadcast_": ("broadcast", "tensors", "root_rank"),
-    "scatter_": ("scatter", "output_tensors", "root_rank"),  # the chunk each rank gets
-    "gather_": ("gather", "input_tensors", "root_rank"),
-    "reduce_": ("reduce", "tensors", "root_rank"),
-    "send": ("send", "tensors", "dst"),
-    "recv_": ("recv", "tensors", "src"),
-    "recv_any_source_": ("recv", "tensors", None),
+# ProcessGroup method -> (event kind, position of the payload, ("peer" | "root",
+# position) or None); the methods' overloads keep these positions
+_METHODS = {
+    "allreduce": ("all_reduce", 0, None),
+    "allreduce_coalesced": ("all_reduce", 0, None),
+    "allgather": ("all_gather", 1, None),
+    "_allgather_base": ("all_gather", 1, None),
+    "allgather_coalesced": ("all_gather", 1, None),
+    "allgather_into_tensor_coalesced": ("all_gather", 1, None),
+    "reduce_scatter": ("reduce_scatter", 1, None),
+    "_reduce_scatter_base": ("reduce_scatter", 1, None),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1, None),
+    "all_gather_single": ("all_gather", 1, None),  # 2.13+: the new names
+    "all_gather_single_coalesced": ("all_gather", 1, None),
+    "reduce_scatter_single": ("reduce_scatter", 1, None),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 1, None),
+    "all_to_all_single": ("all_to_all", 1, None),
+    "gather_single": ("gather", 1, ("root", None)),  # 2.15+
+    "gather_into_tensor": ("gather", 1, ("root", None)),
+    "alltoall": ("all_to_all", 1, None),
+    "alltoall_base": ("all_to_all", 1, None),
+    "broadcast": ("broadcast", 0, ("root", 1)),
+    "scatter": ("scatter", 0, ("root", 2)),  # the chunk each rank gets
+    "gather": ("gather", 1, ("root", 2)),
+    "reduce": ("reduce", 0, ("root", 1)),
+    "send": ("send", 0, ("peer", 1)),
+    "recv": ("recv", 0, ("peer", 1)),
+    "recv_anysource": ("recv", 0, None),
     "barrier": ("barrier", None, None),
-    "monitored_barrier_": ("barrier", None, None),
+    "monitored_barrier": ("barrier", None, None),
+}
+_PAYLOAD_KW = {  # the payload's keyword names, by position
+    0: ("tensors", "tensor", "output_tensors", "output_tensor"),
+    1: ("input_tensors", "input_tensor", "input", "inputs", "input_list", "inputTensor"),
 }
 _FUNCTIONAL = {
     "all_reduce": ("all_reduce", "input", None),
@@ -110,6 +122,7 @@ class _Recorder:
     def __init__(self, rank: int, mesh=None):
         self.rank = rank
         self.events: list[Event] = []
+        self.groups: dict = {}  # id(ProcessGroup) -> (its ranks, the group): asked once
         self.mesh_groups: list[tuple[int, ...]] = []
         if mesh is not None:
             for d in range(mesh.ndim):
@@ -118,26 +131,52 @@ class _Recorder:
                 self.mesh_groups.append(tuple(dist.get_process_group_ranks(mesh.get_group(d))))
 
     def _record(self, spec, args, kwargs, start, duration) -> None:
-        """``spec``: the op's ``_spec`` (what it is, its API, argument names, name)."""
-        import torch.distributed as dist
-
+        """A functional collective; ``spec``: (what it is, its API, argument names, name)."""
         (kind, payload_name, peer_name), api, names, op = spec
         bound = dict(zip(names, args))
         bound.update(kwargs)
-        pg = bound.get("process_group", bound.get("group_name"))
-        group, pg = _group_ranks(pg)
-        payload = bound.get(payload_name)
+        group, pg = _group_ranks(bound.get("group_name"))
+        peer = bound.get(peer_name) if peer_name else None
+        self._event(kind, bound.get(payload_name), group, pg, peer, op, api, start, duration)
+
+    def _record_method(self, name, pg, args, kwargs, start, duration) -> None:
+        """A ``ProcessGroup`` method's call (:data:`_METHODS`)."""
+        kind, at, peer_at = _METHODS[name]
+        payload = None
+        if at is not None:
+            payload = (
+                args[at]
+                if len(args) > at
+                else next((kwargs[k] for k in _PAYLOAD_KW[at] if k in kwargs), None)
+            )
+        peer = None
+        if peer_at is not None:
+            what, i = peer_at
+            peer = next((a.rootRank for a in (*args, *kwargs.values()) if hasattr(a, "rootRank")),
+                        None)  # fmt: skip
+            if peer is None and i is not None:
+                peer = args[i] if len(args) > i and isinstance(args[i], int) else None
+            if peer is None:
+                keys = ("root",) if what == "root" else ("dstRank", "srcRank")
+                peer = next((kwargs[k] for k in keys if k in kwargs), None)
+        known = self.groups.get(id(pg))
+        if known is None:
+            import torch.distributed as dist
+
+            known = self.groups[id(pg)] = (tuple(dist.get_process_group_ranks(pg)), pg)
+        self._event(kind, payload, known[0], pg, peer, f"c10d.{name}", "c10d", start, duration)
+
+    def _event(self, kind, payload, group, pg, peer, op, api, start, duration) -> None:
         if isinstance(payload, torch.Tensor):
             tensors = [payload]
         elif isinstance(payload, list) and all(isinstance(t, torch.Tensor) for t in payload):
             tensors = payload  # c10d's lists of tensors
-        else:  # nested lists (allgather_'s outputs), or None
+        else:  # nested lists (allgather's outputs), or None
             tensors = [t for t in tree_leaves(payload) if isinstance(t, torch.Tensor)]
         if tensors and tensors[0].device.type == "meta":
             return  # a fake run (FakeTensorMode, tracing for torch.compile): no message
-        peer = bound.get(peer_name) if peer_name else None
         if peer is not None and peer >= 0:
-            peer = dist.get_global_rank(pg, peer)
+            peer = group[peer]  # the group's ranks, in group-rank order
         mesh_dim = next((d for d, g in enumerate(self.mesh_groups) if g == group), None)
         if mesh_dim is None and peer is not None:  # a message: the mesh dim it travels along
             mesh_dim = next((d for d, g in enumerate(self.mesh_groups) if peer in g), None)
@@ -163,17 +202,21 @@ class _Recorder:
 
 # -- how a recorder sees the ops -------------------------------------------------------
 #
-# While a trace is open in a process, each communication op gets a Python kernel at the
-# BackendSelect dispatch key (``torch.library``, removed when the last trace closes). That
-# key is in every call's key set and sits just above the backend kernels, below the
-# autograd keys and below the Python key of subclasses and dispatch modes: so the
-# kernel also sees the messages sent inside DTensor's and ShardTensor's
-# ``__torch_dispatch__`` (a redistribution, a whole-tensor fallback), in backward and in
-# inference mode, and no other op pays anything: no per-op Python call. (The
-# ADInplaceOrView key, tried first, is skipped inside ``__torch_dispatch__``; a dispatch
-# mode, used before, costs a Python call on every op.) A communication op that runs
-# another one inside it (``_c10d_functional.all_reduce`` calls ``c10d.allreduce_``) is
-# recorded once, as the outer op.
+# While a trace is open in a process:
+#
+# * every ``ProcessGroup`` method that communicates is wrapped (the class attribute
+#   replaced, restored when the last trace closes): ``torch.distributed``'s functions,
+#   ``batch_isend_irecv`` included, call them; a wrapper costs a Python call, and no
+#   argument crosses into the dispatcher's boxed values (a Python kernel on the c10d
+#   ops, tried before, spent ~0.2 ms converting each call's ProcessGroup and Work);
+# * each functional collective (``_c10d_functional``: DTensor's) gets a Python kernel at
+#   the BackendSelect dispatch key (``torch.library``). That key sits below the autograd
+#   keys and the Python key of subclasses and dispatch modes, so the kernel also sees
+#   the messages sent inside DTensor's and ShardTensor's ``__torch_dispatch__`` (a
+#   redistribution), in backward and in inference mode. The ProcessGroup methods that a
+#   functional collective runs in C++ are not recorded again.
+#
+# A dispatch mode, used at first, cost a Python call on every op of a step.
 
 _BACKEND_SELECT = torch._C.DispatchKey.BackendSelect
 _OPEN: list[_Recorder] = []  # the traces open in this process (any thread), oldest first
@@ -183,9 +226,9 @@ _BUSY = threading.local()  # inside a recorded op: its inner ops are not recorde
 
 
 def _comm_ops():
-    """(namespace, qualified name, OpOverload, spec) of every communication op this torch
-    has; spec: (what it is, its API, its argument names, its name)."""
-    tables = [("c10d", _C10D, "c10d")] + [
+    """(namespace, qualified name, OpOverload, spec) of every functional collective this
+    torch has; spec: (what it is, its API, its argument names, its name)."""
+    tables = [
         (ns, _FUNCTIONAL, "functional") for ns in ("_c10d_functional", "_c10d_functional_autograd")
     ]
     for ns, table, api in tables:
@@ -222,10 +265,33 @@ def _kernel(op, spec):
     return kernel
 
 
+def _method(name, call):
+    """The wrapper of ``ProcessGroup.<name>``: call it; record it, timed."""
+
+    def method(self, *args, **kwargs):
+        if not _OPEN or getattr(_BUSY, "on", False):
+            return call(self, *args, **kwargs)
+        _BUSY.on = True
+        try:
+            start = time.perf_counter()
+            out = call(self, *args, **kwargs)
+            took = time.perf_counter() - start
+        finally:
+            _BUSY.on = False
+        for rec in list(_OPEN):
+            rec._record_method(name, self, args, kwargs, start, took)
+        return out
+
+    method.__name__ = name
+    return method
+
+
 _KERNELS: list = []  # (namespace, qualified name, kernel), made once per process
+_SAVED: dict = {}  # ProcessGroup attribute -> its own descriptor, while wrapped
 
 
 def _open(rec: _Recorder) -> None:
+    import torch.distributed as dist
     from torch.library import Library
 
     with _INSTALL:
@@ -238,21 +304,31 @@ def _open(rec: _Recorder) -> None:
                 lib = libs.get(ns) or libs.setdefault(ns, Library(ns, "IMPL"))
                 lib.impl(qual, kernel, "BackendSelect", with_keyset=True)
             _LIBS.extend(libs.values())
+            pg = dist.ProcessGroup
+            for name in _METHODS:
+                if name in vars(pg):  # (the descriptor; getattr gives the callable)
+                    _SAVED[name] = vars(pg)[name]
+                    setattr(pg, name, _method(name, getattr(pg, name)))
         _OPEN.append(rec)
 
 
 def _close(rec: _Recorder) -> None:
+    import torch.distributed as dist
+
     with _INSTALL:
         _OPEN.remove(rec)
         if not _OPEN:
             for lib in _LIBS:
                 lib._destroy()
             _LIBS.clear()
+            for name, descriptor in _SAVED.items():
+                setattr(dist.ProcessGroup, name, descriptor)
+            _SAVED.clear()
 
 
 def installed() -> bool:
-    """Whether the tracer's kernels are registered now (a trace is open in this process)."""
-    return bool(_LIBS)
+    """Whether the tracer's kernels and wrappers are in place (a trace is open here)."""
+    return bool(_LIBS) or bool(_SAVED)
 
 
 def _default_mesh():

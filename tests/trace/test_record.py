@@ -34,7 +34,7 @@ def test_all_reduce_event(ranks_for, world):
         assert (e.rank, e.kind, e.op, e.bytes, e.dtype, e.shapes) == (
             rank,
             "all_reduce",
-            "c10d.allreduce_",
+            "c10d.allreduce",  # the ProcessGroup method torch.distributed calls
             16,
             "float32",
             ((4,),),
