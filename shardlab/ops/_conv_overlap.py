@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlab.ops.halo import _send_back, post_halo, simple_window
+from shardlab.ops.halo import post_halo, send_back, simple_window
 
 aten = torch.ops.aten
 
@@ -133,7 +133,7 @@ class OverlappedConv(torch.autograd.Function):
             dilation, False, [0] * len(stride), groups, [need_x, need_w, need_b],
         )  # fmt: skip
         # no input gradient wanted (an image): no messages either, as with Halo
-        g_x = _send_back(ctx, g_window) if need_x else None
+        g_x = send_back(ctx, g_window) if need_x else None
         return g_x, gw if need_w else None, gb if need_b else None, None, None, None, None
 
 

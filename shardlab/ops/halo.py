@@ -23,7 +23,7 @@ from shardlab.trace import label
 
 def _post(sends, recvs) -> list:
     """Post all sends and receives at once; return their works (wait for them)."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends]
+    ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends]  # post() makes them dense
     ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
     return post(ops)
 
@@ -50,7 +50,7 @@ def post_halo(local, plan: ConvPlan, peers, me, dim, offset, cause):
     return recv_bufs, works
 
 
-def _send_back(ctx, grad):
+def send_back(ctx, grad):
     """The window's gradient ``grad`` home: my rows' part added to my block, each
     received row's part sent back to its owner and added there. Returns my block's."""
     plan, dim, me, offset = ctx.plan, ctx.dim, ctx.me, ctx.offset
@@ -104,7 +104,7 @@ class Halo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _send_back(ctx, grad), None, None, None, None, None, None, None, None
+        return send_back(ctx, grad), None, None, None, None, None, None, None, None
 
 
 def simple_window(plan, me) -> tuple[int, int] | None:
