@@ -163,7 +163,8 @@ class Explainer:
         self.marks.append((len(self.t.events), self.names[self.stack[-1][0]] if self.stack else ""))
         frontier = self._tag_nodes(module, tensors, stop)
         if not self.stack:  # the outermost module returned: its graph is complete
-            self.owned += [(node, None) for node in frontier]
+            # its inputs' nodes belong to no module (unless an earlier call claimed them)
+            self.owned += [(n, None) for n in frontier if n not in self.node_frontier]
             self._hook_runs()
 
     def _tag_nodes(self, module, outputs, stop) -> list:

@@ -104,15 +104,12 @@ def current_label() -> str:
     return _LABEL.get()
 
 
-def _group_ranks(pg) -> tuple[int, ...]:
+def _named_group(name: str):
+    """(ranks, group) of the process group a functional collective names."""
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    if isinstance(pg, str):  # functional collectives name their group
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        pg = _resolve_process_group(pg)
-    elif not isinstance(pg, dist.ProcessGroup):  # c10d ops get a boxed TorchScript object
-        pg = dist.ProcessGroup.unbox(pg)
+    pg = _resolve_process_group(name)
     return tuple(dist.get_process_group_ranks(pg)), pg
 
 
@@ -135,7 +132,7 @@ class _Recorder:
         (kind, payload_name, peer_name), api, names, op = spec
         bound = dict(zip(names, args))
         bound.update(kwargs)
-        group, pg = _group_ranks(bound.get("group_name"))
+        group, pg = _named_group(bound.get("group_name"))
         peer = bound.get(peer_name) if peer_name else None
         self._event(kind, bound.get(payload_name), group, pg, peer, op, api, start, duration)
 

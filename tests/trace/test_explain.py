@@ -198,3 +198,37 @@ def test_backward_messages_land_on_their_module(ranks_for):
             assert p2p.get((f"{block}.second.0", "backward"), 0) == 0, p2p
         assert p2p.get(("1", "backward"), 0) == 0, p2p
         assert p2p["(outside modules)", "backward"] == 4, p2p
+
+
+def test_a_model_applied_twice(ranks_for):
+    """``model(model(x))``: the second call's inputs are the first call's outputs, whose
+    nodes stay the first call's modules'; each convolution's backward holds the halos of
+    both calls, the input's gradient gather alone is outside every module."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        torch.manual_seed(0)
+        conv = lambda: torch.nn.Conv2d(3, 3, 3, padding=1)  # noqa: E731
+        model = torch.nn.Sequential(conv(), torch.nn.Tanh(), conv())  # ends in a halo
+        x = torch.randn(2, 3, 21, 6, requires_grad=True)
+        with shardlab.patched(), shardlab.trace() as outer:
+            with shardlab.explain(model) as ex:
+                xs = distribute(x, this_rank().mesh, [Shard(2)], [8, 6, 7])
+                model(model(xs)).sum().backward()
+        rows = ex.explanation.rows(this_rank().rank)
+        p2p = {
+            (r.name, r.phase): sum(1 for e in r.events if e[0] in ("send", "recv")) for r in rows
+        }
+        total = sum(len(r.events) for r in rows)
+        return p2p, total, len([e for e in outer.events if e.label != "explain gather"])
+
+    for r, (p2p, total, outer) in enumerate(ranks_for(3).run(body)):
+        hops = 2 if r == 1 else 1
+        assert total == outer, (total, outer)
+        for conv in ("0", "2"):
+            assert p2p[conv, "forward"] == p2p[conv, "backward"] == 2 * 2 * hops, p2p
+        assert p2p["(outside modules)", "backward"] == 4, p2p
