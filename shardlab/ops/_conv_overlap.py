@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlab.ops.halo import post_halo, send_back, simple_window
+from shardlab.ops.halo import keep_for_send_back, post_halo, send_back, simple_window
 
 aten = torch.ops.aten
 
@@ -115,10 +115,8 @@ class OverlappedConv(torch.autograd.Function):
         else:
             ctx.save_for_backward(window, w)
         ctx.rebuild, ctx.conv_args, ctx.has_bias = rebuild, conv_args, b is not None
-        ctx.plan, ctx.dim, ctx.peers, ctx.me, ctx.offset = plan, dim, peers, me, offset
-        ctx.local_len, ctx.cause, ctx.idx = x.shape[dim], cause, None
-        ctx.lead = simple_window(plan, me)[0]
-        ctx.buf_len = sum(hi - lo for _, lo, hi in plan.blocks(me)) + 1
+        keep_for_send_back(ctx, x, plan, dim, peers, me, offset, cause)
+        ctx.idx, ctx.lead = None, simple_window(plan, me)[0]  # the rows in order
         return y
 
     @staticmethod

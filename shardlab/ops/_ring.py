@@ -280,26 +280,15 @@ def _block_grads(ins, kj, vj, lse, plan: RingPlan, j: int, how, ct, rng):
     qi, dout, out = ins["q"], ins["dout"], ins["out"]
     kr, vr = _heads(kj.to(qi.dtype), plan.rep), _heads(vj.to(qi.dtype), plan.rep)
     if pieces is not None:  # the fused kernel, with the *final* out and lse of the rows
-        if len(pieces) == 1 and pieces[0][0] == slice(0, qi.shape[-2]):
-            _, ks, causal = pieces[0]
-            cols = [x[..., ks, :] for x in (kr, vr)]
-            g = kernels.backward(kind, dout, qi, *cols, out, lse, causal, plan.scale, rng)
-            if ks == slice(0, kr.shape[-2]):  # every key row
-                dk, dv = g[1].to(ct), g[2].to(ct)
-            else:
-                dk, dv = kr.new_zeros(kr.shape, dtype=ct), vr.new_zeros(vr.shape, dtype=ct)
-                dk[..., ks, :], dv[..., ks, :] = g[1], g[2]
-            return g[0].to(ct), _fold(dk, plan.rep), _fold(dv, plan.rep)
-        dq = qi.new_zeros(qi.shape, dtype=ct)
-        dk, dv = kr.new_zeros(kr.shape, dtype=ct), vr.new_zeros(vr.shape, dtype=ct)
+        dq = dk = dv = None
         for qs, ks, causal in pieces:
             rows = [x[..., qs, :] for x in (dout, qi)]
             cols = [x[..., ks, :] for x in (kr, vr)]
             o_rows, lse_rows = out[..., qs, :], lse[..., qs]
             g = kernels.backward(kind, *rows, *cols, o_rows, lse_rows, causal, plan.scale, rng)
-            dq[..., qs, :] += g[0]
-            dk[..., ks, :] += g[1]
-            dv[..., ks, :] += g[2]
+            dq = _add_rows(dq, qs, g[0], qi.shape, ct)
+            dk = _add_rows(dk, ks, g[1], kr.shape, ct)
+            dv = _add_rows(dv, ks, g[2], vr.shape, ct)
         return dq, _fold(dk, plan.rep), _fold(dv, plan.rep)
     qc, dc, delta, lse_safe = ins["explicit"]()
     kr, vr = kr.to(ct), vr.to(ct)
@@ -307,6 +296,17 @@ def _block_grads(ins, kj, vj, lse, plan: RingPlan, j: int, how, ct, rng):
     dv = p.transpose(-2, -1) @ dc  # (*, H_q, S_kv_j, D_v)
     ds = (dc @ vr.transpose(-2, -1)).sub_(delta[..., None]).mul_(p).mul_(plan.scale)
     return ds @ kr, _fold(ds.transpose(-2, -1) @ qc, plan.rep), _fold(dv, plan.rep)
+
+
+def _add_rows(acc, rows: slice, g, shape, ct):
+    """``acc[..., rows, :] += g``, ``acc`` of ``shape`` in ``ct`` made on first use (a
+    gradient of every row is taken as it is: no zeros to add it to)."""
+    if acc is None:
+        if rows == slice(0, shape[-2]):
+            return g.to(ct)
+        acc = g.new_zeros(shape, dtype=ct)
+    acc[..., rows, :] += g
+    return acc
 
 
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict):

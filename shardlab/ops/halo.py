@@ -50,6 +50,14 @@ def post_halo(local, plan: ConvPlan, peers, me, dim, offset, cause):
     return recv_bufs, works
 
 
+def keep_for_send_back(ctx, local, plan, dim, peers, me, offset, cause) -> None:
+    """What :func:`send_back` reads later, on ``ctx`` (``idx`` and ``lead``, how the
+    window lies over its rows, are the caller's)."""
+    ctx.plan, ctx.dim, ctx.peers, ctx.me, ctx.offset = plan, dim, peers, me, offset
+    ctx.local_len, ctx.cause = local.shape[dim], cause
+    ctx.buf_len = sum(b - a for _, a, b in plan.blocks(me)) + 1
+
+
 def send_back(ctx, grad):
     """The window's gradient ``grad`` home: my rows' part added to my block, each
     received row's part sent back to its owner and added there. Returns my block's."""
@@ -92,9 +100,7 @@ class Halo(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, plan: ConvPlan, dim, peers, me, offset, fill, cause, recipe=None):
-        ctx.plan, ctx.dim, ctx.peers, ctx.me, ctx.offset = plan, dim, peers, me, offset
-        ctx.local_len, ctx.cause = local.shape[dim], cause
-        ctx.buf_len = sum(b - a for _, a, b in plan.blocks(me)) + 1
+        keep_for_send_back(ctx, local, plan, dim, peers, me, offset, cause)
         recv_bufs, works = post_halo(local, plan, peers, me, dim, offset, cause)
         _wait(works)
         window, ctx.idx, ctx.lead = assemble(local, recv_bufs, plan, dim, me, offset, fill)

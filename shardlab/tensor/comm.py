@@ -71,13 +71,13 @@ class _Staged:
         return True
 
 
-def post(ops: list, stage: bool | None = None) -> list:
+def post(ops: list) -> list:
     """``batch_isend_irecv`` of ``ops``, every sent tensor made :func:`wire`-ready (dense).
 
-    Where the group's backend cannot send the tensors' device (:func:`needs_staging`;
-    ``stage`` forces it either way), every message goes through host memory: sends
-    copy to the host first, receives land in host buffers and reach their tensors
-    when the returned work is waited for (one work for all of them)."""
+    Where the group's backend cannot send the tensors' device (:func:`needs_staging`),
+    every message goes through host memory: sends copy to the host first, receives land
+    in host buffers and reach their tensors when the returned work is waited for (one
+    work for all of them)."""
     if not ops:
         return []
     ready = [
@@ -87,9 +87,7 @@ def post(ops: list, stage: bool | None = None) -> list:
         else op
         for op in ops
     ]
-    if stage is None:
-        stage = needs_staging(ready[0].tensor.device.type, dist.get_backend(ready[0].group))
-    if not stage:
+    if not needs_staging(ready[0].tensor.device.type, dist.get_backend(ready[0].group)):
         return dist.batch_isend_irecv(ready)
     host_ops, copies = [], []
     for op in ready:
