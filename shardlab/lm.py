@@ -1,27 +1,42 @@
 """A language-model batch, sharded along the sequence: ``model(**batch)`` runs unchanged.
 
 :func:`shard_batch` cuts ``input_ids`` (B, S), ``attention_mask`` and ``labels`` the same
-way along S, checks that they agree (the same error on every rank: every check reads
-global shapes only), and adds what a decoder needs to see global positions::
+way along S and checks that they agree (the same error on every rank: every check reads
+global shapes only)::
 
     S = 10 on 3 ranks, sizes [4, 3, 3]      contiguous            head-tail (2N chunks)
         rank 0                              tokens 0-3            chunks 0 and 5
         rank 1                              tokens 4-6            chunks 1 and 4
         rank 2                              tokens 7-9            chunks 2 and 3
 
-* ``position_ids``: the true position of every stored token (RoPE reads them);
-* ``attention_mask`` (B, S) with zeros (padding) becomes the boolean 4-D mask a decoder
-  would build, (B, 1, S, S) = causal AND key-not-padded, **cut along the query rows**:
-  a rank holds (B, 1, S_local, S), never the whole S x S mask; the ring attention then
-  uses, at each step, the columns of the visiting K/V block;
-* ``labels``: with contiguous blocks the decoder's own shift (``labels[..., 1:]``) crosses
-  the shard boundaries: shardlab moves one label per boundary. Head-tail stored tokens
-  are not in order, so the shift is done here on the full labels and handed to the
-  loss as ``shift_labels`` (transformers' causal-LM loss takes it).
+Two ways to hand the model its batch:
 
-Head-tail (``head_tail=True``): with a causal mask, rank r of N holds chunks r and
-2N-1-r of 2N, so every rank does the same attention work. Run the model inside
-``shardlab.ops.attention.head_tail()`` (the causal ring reads the true positions).
+* default (``causal=False``): exactly what one device would get, cut along S. The model
+  computes its positions and masks itself from the global shapes, so any model is exact:
+  encoders (BERT), decoders, positions counted from the padding (OPT, RoBERTa), ALiBi
+  (BLOOM). A model that turns a padding mask into a 4-D mask builds all (B, 1, S, S) of
+  it on every rank.
+* ``causal=True``, for causal decoders whose positions are 0..S-1 whatever the padding
+  (Llama, Qwen2, Mistral, GPT-2, ...): adds
+
+  - ``position_ids``: the true position of every stored token (RoPE reads them);
+  - an ``attention_mask`` (B, S) with zeros (padding) becomes the boolean 4-D mask the
+    decoder would build, (B, 1, S, S) = causal AND key-not-padded, **cut along the query
+    rows**: a rank holds (B, 1, S_local, S), never the whole S x S mask; the ring
+    attention then uses, at each step, the columns of the visiting K/V block.
+
+  It is not the one-device result for a model that is not causal (BERT) or that counts
+  positions from the mask (OPT): leave ``causal`` off for those.
+
+``labels``: with contiguous blocks the model's own shift (``labels[..., 1:]``) crosses the
+shard boundaries: shardlab moves one label per boundary. Head-tail stored tokens are not in
+order, so the shift is done here on the full labels and handed to the loss as
+``shift_labels`` (transformers' causal-LM loss takes it).
+
+Head-tail (``head_tail=True``, which implies ``causal=True``): with a causal mask, rank r
+of N holds chunks r and 2N-1-r of 2N, so every rank does the same attention work. Run the
+model inside ``shardlab.ops.attention.head_tail()`` (the causal ring reads the true
+positions).
 """
 
 from __future__ import annotations
@@ -43,15 +58,19 @@ def shard_batch(
     mesh_dim: int = 0,
     sizes=None,
     head_tail: bool = False,
+    causal: bool | None = None,
     ignore_index: int = -100,
 ) -> dict:
     """``input_ids`` (B, S) and friends, the same full tensors on every rank, sharded
     along S over mesh dim ``mesh_dim`` (Replicate on the other mesh dims); returns the
-    keyword arguments of ``model(**batch)``: ``input_ids``, ``position_ids``, and
-    ``attention_mask`` / ``labels`` (+ ``shift_labels`` when ``head_tail``) when given.
+    keyword arguments of ``model(**batch)``: ``input_ids`` and, when given,
+    ``attention_mask`` / ``labels``; with ``causal`` also ``position_ids`` (and the
+    mask as the causal-and-padding rows, see the module), with ``head_tail`` also
+    ``shift_labels``.
 
     ``sizes``: rows of each rank along S (default ``torch.chunk``'s); with
     ``head_tail`` they are :func:`~shardlab.ops.attention.head_tail_sizes`.
+    ``causal``: default ``head_tail``; ``head_tail`` needs it.
     No communication: every rank keeps its own block.
     """
     from shardlab.ops.attention import head_tail_order, head_tail_sizes
@@ -76,6 +95,13 @@ def shard_batch(
                 f"shard_batch: {name} of shape {tuple(t.shape)} must have input_ids' shape "
                 f"{tuple(input_ids.shape)} (it is cut along the sequence the same way)"
             )
+    if causal is None:
+        causal = head_tail
+    if head_tail and not causal:
+        raise ValueError(
+            "shard_batch: head_tail=True permutes the tokens, which only a causal decoder "
+            "with positions 0..S-1 can take (it needs causal=True)"
+        )
     if not 0 <= mesh_dim < mesh.ndim:
         raise ValueError(f"shard_batch: mesh_dim={mesh_dim} for a {mesh.ndim}-D mesh")
     b, s = input_ids.shape
@@ -107,17 +133,19 @@ def shard_batch(
     def shard(t):  # (B, S) in true order -> stored order -> this rank's tokens
         return distribute(t.index_select(1, order), mesh, places, cut)
 
-    positions = distribute(order.expand(b, s), mesh, places, cut)  # already stored order
-    batch = {"input_ids": shard(input_ids), "position_ids": positions}
-
-    # 3. the 4-D mask, cut along the query rows (only when there is padding to say)
-    if attention_mask is not None:
-        keep = attention_mask.to(torch.bool)  # (B, S), False = padding
-        if bool(keep.all()) and not head_tail:
-            pass  # causal only: the decoder passes is_causal, no mask is built
-        else:
+    batch = {"input_ids": shard(input_ids)}
+    if not causal:
+        # 3a. what one device gets, cut: the model makes its positions and masks itself
+        if attention_mask is not None:
+            batch["attention_mask"] = shard(attention_mask)
+    else:
+        # 3b. true positions, and the 4-D mask cut along the query rows (when there is
+        #     padding to say; without, the decoder passes is_causal and builds no mask)
+        batch["position_ids"] = distribute(order.expand(b, s), mesh, places, cut)
+        keep = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, S)
+        if keep is not None and (head_tail or not bool(keep.all())):
             batch["attention_mask"] = _row_mask(keep, order, mesh, mesh_dim, sizes)
-    # 4. labels: the decoder shifts them itself unless the tokens are permuted
+    # 4. labels: the model shifts them itself unless the tokens are permuted
     if labels is not None:
         batch["labels"] = shard(labels)
         if head_tail:

@@ -62,7 +62,7 @@ def _body(name):
                 want = {n: p.grad.clone() for n, p in model.named_parameters()}
                 model.zero_grad(set_to_none=True)
                 with shardlab.patched(), shardlab.trace() as t:
-                    batch = shard_batch(mesh, ids, mask, labels, head_tail=head_tail)
+                    batch = shard_batch(mesh, ids, mask, labels, head_tail=head_tail, causal=True)
                     logits, loss = _run(model, name, **batch)
                     loss.backward()
                 full = logits.full_tensor()
@@ -115,6 +115,58 @@ def test_decoders_with_padding_and_head_tail_equal_one_device(ranks_for, name, w
                 assert r["mask rows"][2] < s, r
             else:
                 assert r["mask rows"] is None  # causal: the decoder passes is_causal
+
+
+def _text_body(name):
+    def body():
+        import shardlab
+        from shardlab import this_rank
+        from shardlab.lm import shard_batch
+
+        mesh = this_rank().mesh
+        res = {}
+        for pad in (False, True):
+            model = _zoo.text(name).double()
+            ids, mask, labels = _batch(pad)
+            ref = model(input_ids=ids, attention_mask=mask, labels=labels)
+            ref.loss.backward()
+            want = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            sizes = _zoo.uneven(_zoo.TOKENS[1], mesh.size())
+            with shardlab.patched(), shardlab.trace() as t:
+                batch = shard_batch(mesh, ids, mask, labels, sizes=sizes)
+                out = model(**batch)
+                out.loss.backward()
+            res[pad] = {
+                "keys": sorted(batch),
+                "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=1e-9,
+                                         atol=1e-11),  # fmt: skip
+                "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-5, atol=1e-7),
+                "bad grads": [
+                    n
+                    for n, p in model.named_parameters()
+                    if type(p.grad) is not torch.Tensor
+                    or not torch.allclose(p.grad, want[n], rtol=1e-5, atol=1e-7)
+                ],
+                "fallbacks": sorted({e.label for e in t.events if "fallback" in e.label}),
+            }
+        return res
+
+    return body
+
+
+@pytest.mark.parametrize("name", _zoo.TEXT)
+def test_default_batch_is_what_one_device_gets_for_any_text_model(ranks_for, name):
+    """``shard_batch`` without ``causal``: the model's own positions and masks, so models
+    that are not RoPE decoders are exact too: bidirectional (BERT), positions counted from
+    the padding (RoBERTa, OPT), ALiBi from the mask (BLOOM), learned positions (GPT-2);
+    left and right padding, uneven sizes, 3 ranks, float64 against one device."""
+    pytest.importorskip("transformers")
+    for rank, res in enumerate(ranks_for(3).run(_text_body(name))):
+        for pad, r in res.items():
+            assert r["keys"] == ["attention_mask", "input_ids", "labels"], r
+            assert r["logits"] and r["loss"], (rank, pad, r)
+            assert r["bad grads"] == [] and r["fallbacks"] == [], (rank, pad, r)
 
 
 def test_label_shift_moves_one_label_per_boundary_and_kv_bytes_are_the_ring(ranks_for):
@@ -264,6 +316,14 @@ def _presharded():
     shard_batch(mesh, ids, attention_mask=distribute(torch.ones(2, 9), mesh, [Shard(1)]))
 
 
+def _head_tail_not_causal():
+    from shardlab import this_rank
+    from shardlab.lm import shard_batch
+
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    shard_batch(this_rank().mesh, ids, head_tail=True, causal=False)
+
+
 def _dropout():
     import shardlab
     from shardlab import this_rank
@@ -285,6 +345,7 @@ def _dropout():
         (_short, "ValueError", "a sequence of 2 tokens on 3 ranks"),
         (_mismatched, "ValueError", "labels of shape (2, 8)"),
         (_presharded, "TypeError", "attention_mask must be a plain (B, S) tensor"),
+        (_head_tail_not_causal, "ValueError", "head_tail=True permutes the tokens"),
         (_dropout, "NotImplementedError", "dropout_p=0.1 is not supported"),
     ],
 )

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -61,10 +63,13 @@ def batch():
 # %% [markdown]
 # ## One training step, sharded, against one device
 #
-# `shard_batch` gives each rank its tokens, their **global** positions (RoPE reads
-# them) and its rows of the causal + padding mask: a rank holds `(B, 1, S_local, S)`,
-# never the whole `S × S` mask. The model call is the one you would write on one
-# device.
+# `shard_batch` gives each rank its tokens. By default it hands the model exactly what
+# one device would get, cut along the sequence, and the model makes its positions and
+# masks itself: right for any model (BERT, OPT, ...), but a padding mask then becomes a
+# whole `S × S` mask on every rank. A Llama is a *causal* decoder whose positions are
+# `0..S-1`, so `causal=True` does better: each rank gets its tokens' **global**
+# positions (RoPE reads them) and only its rows of the causal + padding mask,
+# `(B, 1, S_local, S)`. The model call is the one you would write on one device.
 
 
 # %%
@@ -79,7 +84,7 @@ def step(sizes):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     with shardlab.patched(), shardlab.trace() as t:
-        sharded = shard_batch(mesh, ids, mask, labels, sizes=sizes)
+        sharded = shard_batch(mesh, ids, mask, labels, sizes=sizes, causal=True)
         out = model(**sharded)  # unchanged transformers code
         out.loss.backward()
     same = torch.allclose(out.logits.full_tensor(), ref.logits) and all(

@@ -19,8 +19,9 @@ def _no_randomness(model):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-        if hasattr(m, "drop_prob") and isinstance(m.drop_prob, float):
-            m.drop_prob = 0.0
+        for name, value in list(vars(m).items()):  # read from the config at construction
+            if ("dropout" in name or name == "drop_prob") and isinstance(value, float):
+                setattr(m, name, 0.0)
     return model
 
 
@@ -122,6 +123,40 @@ def decoder(name: str, **sizes):
     return _no_randomness(model(cfg))
 
 
+def text(name: str):
+    """A text model that is not a RoPE decoder: bidirectional encoders (BERT), positions
+    counted from the padding (RoBERTa, OPT), ALiBi built from the padding mask (BLOOM),
+    learned absolute positions (GPT-2). Its loss is the model's own (``labels``)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=VOCAB, num_hidden_layers=1, num_attention_heads=2)
+    models = {
+        "bert": lambda: tf.BertForMaskedLM(
+            tf.BertConfig(hidden_size=16, intermediate_size=32, max_position_embeddings=64, **small)
+        ),
+        "roberta": lambda: tf.RobertaForMaskedLM(
+            tf.RobertaConfig(
+                hidden_size=16, intermediate_size=32, max_position_embeddings=70, **small
+            )
+        ),
+        "opt": lambda: tf.OPTForCausalLM(
+            tf.OPTConfig(hidden_size=16, ffn_dim=32, max_position_embeddings=64,
+                         word_embed_proj_dim=16, **small)
+        ),  # fmt: skip
+        "bloom": lambda: tf.BloomForCausalLM(
+            tf.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=1, n_head=2)
+        ),
+        "gpt2": lambda: tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=16, n_layer=1, n_head=2)
+        ),
+    }
+    model = models[name]()
+    model.config._attn_implementation = "sdpa"
+    return _no_randomness(model)
+
+
+TEXT = ["bert", "roberta", "opt", "bloom", "gpt2"]
 VISION = ["resnet", "convnext", "vit", "swin", "segformer", "mobilevit"]
 DECODERS = ["llama", "qwen2"]
 
