@@ -28,6 +28,10 @@ Messages per rank (blocks of size 0 are never sent):
   accumulator of block j is born at rank j+1 (step 1), picks up each rank's
   contribution on its way round, and its last hop (step N-1) brings it home
   to rank j, which adds its own contribution. dQ never leaves the rank.
+
+An additive ``attn_mask`` that requires grad (a learned bias: BEiT's relative positions)
+gets its gradient on the rank that holds its query rows: dMask = dS, the score gradient
+before the scale, block j's columns at the step that computes block j (no message).
 """
 
 from __future__ import annotations
@@ -274,8 +278,10 @@ def ring_forward(q, k, v, plan: RingPlan, rng: dict):
 
 
 def _block_grads(ins, kj, vj, lse, plan: RingPlan, j: int, how, ct, rng):
-    """Block j's (dq part, dk_j, dv_j) in ``ct``; ``ins``: (q, dout, out) in the kernel's
-    input dtype and, made when an explicit block needs them, in ``ct`` with delta."""
+    """Block j's (dq part, dk_j, dv_j, dS_j) in ``ct``; ``ins``: (q, dout, out) in the
+    kernel's input dtype and, made when an explicit block needs them, in ``ct`` with
+    delta. dS_j (*, H_q, S_q, S_kv_j): the scores' gradient before the scale (an
+    additive mask's), None from a fused kernel (it runs only on blocks without one)."""
     kind, pieces = how
     qi, dout, out = ins["q"], ins["dout"], ins["out"]
     kr, vr = _heads(kj.to(qi.dtype), plan.rep), _heads(vj.to(qi.dtype), plan.rep)
@@ -289,13 +295,14 @@ def _block_grads(ins, kj, vj, lse, plan: RingPlan, j: int, how, ct, rng):
             dq = _add_rows(dq, qs, g[0], qi.shape, ct)
             dk = _add_rows(dk, ks, g[1], kr.shape, ct)
             dv = _add_rows(dv, ks, g[2], vr.shape, ct)
-        return dq, _fold(dk, plan.rep), _fold(dv, plan.rep)
+        return dq, _fold(dk, plan.rep), _fold(dv, plan.rep), None
     qc, dc, delta, lse_safe = ins["explicit"]()
     kr, vr = kr.to(ct), vr.to(ct)
     p = plan.scores(qc, kr, j).sub_(lse_safe[..., None]).exp_()  # exact softmax (final lse)
     dv = p.transpose(-2, -1) @ dc  # (*, H_q, S_kv_j, D_v)
-    ds = (dc @ vr.transpose(-2, -1)).sub_(delta[..., None]).mul_(p).mul_(plan.scale)
-    return ds @ kr, _fold(ds.transpose(-2, -1) @ qc, plan.rep), _fold(dv, plan.rep)
+    ds = (dc @ vr.transpose(-2, -1)).sub_(delta[..., None]).mul_(p)  # dS, before the scale
+    dq, dk = (ds @ kr).mul_(plan.scale), (ds.transpose(-2, -1) @ qc).mul_(plan.scale)
+    return dq, _fold(dk, plan.rep), _fold(dv, plan.rep), ds
 
 
 def _add_rows(acc, rows: slice, g, shape, ct):
@@ -309,8 +316,9 @@ def _add_rows(acc, rows: slice, g, shape, ct):
     return acc
 
 
-def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict):
-    """dq (local), dk, dv (of this rank's own K/V block, after their trip round the ring)."""
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict, mask_grad: bool = False):
+    """dq (local), dk, dv (of this rank's own K/V block, after their trip round the ring),
+    and, with ``mask_grad``, the gradient of ``plan.mask`` (its shape; else None)."""
     ct = _compute_dtype(q.dtype)
     it = kernels.input_dtype(plan.kernel, q.dtype)
     ins = {"q": q.to(it), "dout": dout.to(it), "out": out.to(it)}
@@ -321,6 +329,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict):
 
     ins["explicit"] = _once(explicit)
     dq = None
+    dmask = torch.zeros(plan.mask.shape, dtype=ct, device=q.device) if mask_grad else None
     kv, acc, acc_works, own = [k, v], None, [], None
     for t in range(plan.n):
         j = (plan.me - t) % plan.n
@@ -329,8 +338,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict):
         nxt, kv_works = _post_next_kv(plan, kv, j, t, f"sdpa.ring backward [{how[0]}]")
         # 2. this rank's contribution to block j's gradients (dQ stays here)
         if how[0] != "skipped":
-            dq_j, dk_j, dv_j = _block_grads(ins, kv[0], kv[1], lse, plan, j, how, ct, rng)
+            dq_j, dk_j, dv_j, ds_j = _block_grads(ins, kv[0], kv[1], lse, plan, j, how, ct, rng)
             dq = dq_j if dq is None else dq.add_(dq_j)
+            if dmask is not None:  # the mask's columns of block j (its one, if broadcast)
+                cols = dmask
+                if dmask.shape[-1] != 1:
+                    cols = dmask.narrow(-1, plan.kv_starts[j], plan.kv_sizes[j])
+                cols += ds_j.sum_to_size(cols.shape)
         else:
             dk_j = torch.zeros(kv[0].shape, dtype=ct, device=q.device)
             dv_j = torch.zeros(kv[1].shape, dtype=ct, device=q.device)
@@ -354,7 +368,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict):
         own = [own[0] + acc[0], own[1] + acc[1]]
     if dq is None:
         dq = torch.zeros(q.shape, dtype=ct, device=q.device)
-    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+    dmask = None if dmask is None else dmask.to(plan.mask.dtype)
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), dmask
 
 
 def _layout_like(t: torch.Tensor, strides) -> torch.Tensor:
@@ -369,10 +384,11 @@ def _layout_like(t: torch.Tensor, strides) -> torch.Tensor:
 
 
 class RingAttention(torch.autograd.Function):
-    """``out = RingAttention.apply(q, k, v, plan)`` on local blocks (B, H, S_local, D)."""
+    """``out = RingAttention.apply(q, k, v, plan, mask)`` on local blocks (B, H, S_local, D);
+    ``mask``: ``plan.mask`` again when it needs a gradient (else None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
+    def forward(ctx, q, k, v, plan, mask=None):
         ctx.strides = [x.stride() for x in (q, k, v)]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ctx.rng = {}  # what the CUDA kernels hand from forward to backward
@@ -384,5 +400,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.rng)
-        return (*(_layout_like(g, st) for g, st in zip(grads, ctx.strides)), None)
+        mask_grad = ctx.needs_input_grad[4]
+        *grads, dmask = ring_backward(
+            dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.rng, mask_grad
+        )
+        return (*(_layout_like(g, st) for g, st in zip(grads, ctx.strides)), None, dmask)

@@ -19,7 +19,10 @@ Also handled: q and k/v of different lengths and sizes (including 0 and 1);
 k/v replicated (plain tensors or ``Replicate()``): local compute, no ring and no
 message forward; batch or heads sharded on another mesh dim (the ring runs along
 the sequence mesh dim only); ``is_causal`` with global positions; boolean or
-additive ``attn_mask``; ``scale``; ``enable_gqa``. ``dropout_p > 0`` raises.
+additive ``attn_mask``, also a learned one that requires grad (BEiT's relative
+position bias: its gradient is computed with the blocks, no message; a plain mask's
+is summed over the ranks by one all-reduce in backward, as any replicated
+parameter's); ``scale``; ``enable_gqa``. ``dropout_p > 0`` raises.
 
 Causal load balancing (head-tail). With ``is_causal`` and contiguous blocks, rank
 0 only sees K/V block 0 while rank N-1 sees all N. Cut the sequence in 2N chunks
@@ -178,6 +181,7 @@ def scaled_dot_product_attention(
         q_pos = _positions(ql, seq, mesh)[a:b]
         kv_all = _positions(kl, seq, mesh)
         kv_pos = [kv_all[s : s + n] for s, n in zip(kv_starts, kv_sizes)]
+    mask_l = _local_mask(attn_mask, query, key, mesh, coord)  # (.., S_local_q, S_kv)
     plan = RingPlan(
         peers=peers,
         me=me,
@@ -186,14 +190,15 @@ def scaled_dot_product_attention(
         kv_starts=kv_starts,
         q_pos=q_pos,
         kv_pos=kv_pos,
-        mask=_local_mask(attn_mask, query, key, mesh, coord),
+        mask=None if mask_l is None else mask_l.detach(),
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
         rep=rep,
         kernel=kernels.choose_for(q_l, v_l),  # the same on every rank: dtype, dims, device
     )
 
     # 4. compute, and wrap the output like the query
-    out_l = RingAttention.apply(q_l, k_l, v_l, plan)  # (B, H_q, S_local_q, D_v)
+    learned = mask_l if mask_l is not None and mask_l.requires_grad else None
+    out_l = RingAttention.apply(q_l, k_l, v_l, plan, learned)  # (B, H_q, S_local_q, D_v)
     sizes = build_sizes(ql.sizes)
     shape = (*query.shape[:-1], value.shape[-1])
     stride = stride_like(query.stride(), shape)  # laid out like the query, as torch's
@@ -303,13 +308,13 @@ def _local_kv(t, lay, ql, mesh, coord, rep):
 
 
 def _local_mask(mask, query, key, mesh, coord):
-    """The mask's rows of my queries (its columns stay global: the ring cuts them per block)."""
-    from shardlab.tensor import ShardTensor
+    """The mask's rows of my queries (its columns stay global: the ring cuts them per block).
+    A mask that requires grad (a learned bias) stays attached: its gradient is Partial on
+    the mesh dims that cut the query but not the mask (each rank has its query rows')."""
+    from shardlab.tensor import ShardTensor, distribute
 
     if mask is None:
         return None
-    if mask.requires_grad:
-        raise _why("gradients with respect to attn_mask are not supported")
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         raise ValueError(f"attn_mask must be boolean or floating point, got {mask.dtype}")
     nd, off = query.ndim, query.ndim - mask.ndim
@@ -317,7 +322,16 @@ def _local_mask(mask, query, key, mesh, coord):
     if off < 0 or any(n not in (1, target[i + off]) for i, n in enumerate(mask.shape)):
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target}")
     lay = _layout_of(mask, mesh)
-    local = mask.to_local() if isinstance(mask, ShardTensor) else mask
+    if mask.requires_grad and not isinstance(mask, ShardTensor):
+        mask = distribute(mask, mesh, [Replicate()] * mesh.ndim)  # a full, plain gradient
+    if isinstance(mask, ShardTensor):
+        grads = [
+            Partial() if isinstance(qp, Shard) and not isinstance(p, Shard) else p
+            for p, qp in zip(lay.placements, query.sharding.placements)
+        ]
+        local = mask.to_local(grad_placements=grads)
+    else:
+        local = mask
     box, qbox = lay.local_box(coord), query.sharding.local_box(coord)
     for i, n in enumerate(mask.shape):
         if n == 1:

@@ -85,6 +85,20 @@ def _vision(name: str):
             num_labels=3,
         )
         return tf.SegformerForSemanticSegmentation(cfg), "seg"
+    if name == "beit":  # a learned relative position bias: SDPA's attn_mask needs a gradient
+        cfg = tf.BeitConfig(
+            image_size=32,
+            patch_size=4,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            use_relative_position_bias=True,
+            num_labels=5,
+        )
+        model = tf.BeitForImageClassification(cfg)
+        model.config._attn_implementation = "sdpa"
+        return model, "cls"
     if name == "mobilevit":
         cfg = tf.MobileViTConfig(
             image_size=32,
@@ -157,7 +171,7 @@ def text(name: str):
 
 
 TEXT = ["bert", "roberta", "opt", "bloom", "gpt2"]
-VISION = ["resnet", "convnext", "vit", "swin", "segformer", "mobilevit"]
+VISION = ["resnet", "convnext", "vit", "swin", "segformer", "mobilevit", "beit"]
 DECODERS = ["llama", "qwen2"]
 
 

@@ -125,10 +125,17 @@ def _sweep(mesh_shape, cases, seed):
             gen = torch.Generator().manual_seed(i)
             q, k, v, mask = _inputs(cfg, gen)
             kw = dict(is_causal=cfg["causal"], scale=cfg["scale"], enable_gqa=cfg["gqa"])
+            # a learned additive mask (a bias: BEiT) half the time; its own draw, so that
+            # the other cases stay what they were
+            learned = cfg["mask"] == "float" and random.Random(seed * 1000 + i).random() < 0.5
+            if learned:
+                mask = mask.clamp(min=-1e4).requires_grad_()  # -1e4: finite gradients
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
             ref = F.scaled_dot_product_attention(*leaves, attn_mask=mask, **kw)
             w = torch.randn(ref.shape, generator=gen, dtype=f64)
             (ref * w).sum().backward()
+            if learned:
+                want_mask, mask.grad = mask.grad, None
             (pq, sq_), (pkv, skv_) = _placements(rng, cfg, mesh_shape, seq_m, sq_sizes, kv_sizes)
             ours = [x.clone().requires_grad_() for x in (q, k, v)]
             with shardlab.patched():
@@ -148,6 +155,9 @@ def _sweep(mesh_shape, cases, seed):
             assert torch.allclose(out, ref, atol=1e-12), cfg
             for mine, theirs in zip(ours, leaves):
                 assert torch.allclose(mine.grad, theirs.grad, atol=1e-12), cfg
+            if learned:  # a plain tensor's gradient, full, as on one device
+                assert type(mask.grad) is torch.Tensor, type(mask.grad)
+                assert torch.allclose(mask.grad, want_mask, atol=1e-12), cfg
             _check_messages(t_f, t_b, ks.to_local(), kv_sizes, coord[seq_m], cfg, seq_m)
         return cases
 
@@ -340,6 +350,48 @@ def test_transformer_block(ranks_for, world, sizes, balanced, norm):
         return True
 
     assert all(ranks_for(world).run(body))
+
+
+def test_learned_mask_gradient_messages(ranks_for):
+    """A learned additive mask (BEiT's relative position bias, (H, S, S), one plain tensor
+    on every rank): its gradient is exact and costs one all-reduce of the mask in backward
+    (a replicated parameter's), nothing more; sharded like the query rows, no message."""
+
+    def body():
+        mesh, n = this_rank().mesh, this_rank().world_size
+        gen = torch.Generator().manual_seed(7)
+        q, k, v = (torch.randn(2, 3, 11, 4, generator=gen, dtype=f64) for _ in range(3))
+        bias = torch.randn(3, 11, 11, generator=gen, dtype=f64)
+        sizes = [random_sizes(random.Random(n), 11, n)]
+        res = []
+        for sharded, learned in ((False, True), (True, True), (False, False)):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v, bias)]
+            ref = F.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3])
+            w = torch.randn(ref.shape, generator=gen, dtype=f64)
+            want = torch.autograd.grad((ref * w).sum(), leaves)
+            ours = [x.detach().clone().requires_grad_(learned or i < 3) for i, x in enumerate(leaves)]
+            with shardlab.patched():
+                qs, ks, vs = (distribute(x, mesh, [Shard(2)], sizes) for x in ours[:3])
+                m = distribute(ours[3], mesh, [Shard(1)], sizes) if sharded else ours[3]
+                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m)
+                local_w = distribute(w, mesh, [Shard(2)], sizes).to_local()
+            with shardlab.trace(mesh=mesh) as t:
+                got = torch.autograd.grad((y.to_local() * local_w).sum(), ours[: 3 + learned])
+            exact = all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want))
+            reduces = [(e.label, e.bytes) for e in t.events if e.kind == "all_reduce"]
+            ring = [(e.kind, e.label, e.bytes) for e in t.events if "sdpa.ring" in e.label]
+            res.append((exact, reduces, ring))
+        return res
+
+    for world in (1, 2, 3):
+        for plain, sharded, fixed in ranks_for(world).run(body):
+            assert plain[0] and sharded[0] and fixed[0]
+            # the plain bias: one all-reduce of it (the replicated parameter's gradient sum)
+            assert plain[1] == [("redistribute backward", 3 * 11 * 11 * 8)]
+            # sharded like the queries: no all-reduce (distribute's gradient gathers rows)
+            assert sharded[1] == [] and fixed[1] == []
+            # the ring's messages are those of a mask without gradient
+            assert plain[2] == sharded[2] == fixed[2]
 
 
 def test_errors(ranks_for):
