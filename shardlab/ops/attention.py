@@ -18,7 +18,9 @@ shardlab's aten rules; masks may then require grad, as Swin's relative position 
 Also handled: q and k/v of different lengths and sizes (including 0 and 1);
 k/v replicated (plain tensors or ``Replicate()``): local compute, no ring and no
 message forward; batch or heads sharded on another mesh dim (the ring runs along
-the sequence mesh dim only); ``is_causal`` with global positions; boolean or
+the sequence mesh dim only); ``is_causal`` with global positions; leading dims broadcast
+as torch's (one K/V head for every query head:
+the ring carries the one head); boolean or
 additive ``attn_mask``, also a learned one that requires grad (BEiT's relative
 position bias: its gradient is computed with the blocks, no message; a plain mask's
 is summed over the ranks by one all-reduce in backward, as any replicated
@@ -149,13 +151,17 @@ def scaled_dot_product_attention(
             f"sharded scaled_dot_product_attention: dropout_p={dropout_p} is not supported "
             "(no reproducible sharded RNG yet); pass dropout_p=0.0 (e.g. model.eval())"
         )
-    if is_causal and attn_mask is not None:
-        raise ValueError("scaled_dot_product_attention: attn_mask must be None if is_causal=True")
+    if is_causal and attn_mask is not None:  # torch's documented rule, its words and type
+        raise RuntimeError(
+            "_scaled_dot_product_attention: Explicit attn_mask should not be set when "
+            "is_causal=True"
+        )
     if not isinstance(query, ShardTensor):
         raise NotImplementedError(
             "sharded scaled_dot_product_attention: the query must be a ShardTensor (sharded "
             "along the sequence, dim -2); got a plain query with sharded key/value"
         )
+    query, key, value, enable_gqa = _broadcast(query, key, value, enable_gqa)
     mesh, nd = query.device_mesh, query.ndim
     seq = nd - 2
     rep = _check_shapes(query, key, value, enable_gqa)
@@ -224,19 +230,47 @@ def _why(msg: str) -> NotImplementedError:
     return NotImplementedError(f"sharded scaled_dot_product_attention: {msg}")
 
 
+def _broadcast(q, k, v, enable_gqa):
+    """torch broadcasts the leading dims of q, k and v (multi-query attention: K/V with one
+    head, as Falcon's). One K/V head for every query head, the query's heads not cut: the
+    grouped-query path (the ring carries the one head); otherwise the tensors are expanded
+    (views) to the common leading shape. Returns (q, k, v, enable_gqa)."""
+    if enable_gqa or min(q.ndim, k.ndim, v.ndim) < 2:
+        return q, k, v, enable_gqa  # _check_shapes says what is wrong, as torch
+    nd = max(q.ndim, k.ndim, v.ndim)
+    q, k, v = (x.reshape((1,) * (nd - x.ndim) + tuple(x.shape)) for x in (q, k, v))
+    leads = [tuple(x.shape[:-2]) for x in (q, k, v)]
+    if leads[0] == leads[1] == leads[2]:
+        return q, k, v, False
+    try:
+        target = torch.broadcast_shapes(*leads)
+    except RuntimeError:
+        return q, k, v, False
+    heads_cut = any(p == Shard(nd - 3) for p in q.sharding.placements)
+    if (
+        nd >= 3
+        and leads[0] == target
+        and leads[1] == leads[2] == (*target[:-1], 1)
+        and not heads_cut
+    ):
+        return q, k, v, True  # one K/V head for all: GQA with H_kv = 1
+    q, k, v = (x.expand(*target, *x.shape[-2:]) for x in (q, k, v))
+    return q, k, v, False
+
+
 def _check_shapes(q, k, v, enable_gqa) -> int:
     """Query heads per K/V head (1 without GQA); torch's shape rules."""
     if not (q.ndim == k.ndim == v.ndim >= 2):
-        raise ValueError(f"q, k, v must have the same ndim >= 2, got {q.ndim}, {k.ndim}, {v.ndim}")
+        raise RuntimeError(f"q, k, v must have the same ndim >= 2, got {q.ndim}, {k.ndim}, {v.ndim}")
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(
+        raise RuntimeError(
             f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k need "
             "the same last dim, k and v the same sequence length"
         )
     lead = q.ndim - 3 if enable_gqa and q.ndim >= 3 else q.ndim - 2
     hq, hk = (q.shape[-3], k.shape[-3]) if lead == q.ndim - 3 else (1, 1)
     if q.shape[:lead] != k.shape[:lead] or k.shape[:-2] != v.shape[:-2] or hq % hk:
-        raise ValueError(
+        raise RuntimeError(
             f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
             + (" (enable_gqa: query heads must be a multiple of key heads)" if enable_gqa else "")
         )
@@ -316,11 +350,11 @@ def _local_mask(mask, query, key, mesh, coord):
     if mask is None:
         return None
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise ValueError(f"attn_mask must be boolean or floating point, got {mask.dtype}")
+        raise RuntimeError(f"attn_mask must be boolean or floating point, got {mask.dtype}")
     nd, off = query.ndim, query.ndim - mask.ndim
     target = (*query.shape[:-1], key.shape[-2])  # (B, H_q, S_q, S_kv)
     if off < 0 or any(n not in (1, target[i + off]) for i, n in enumerate(mask.shape)):
-        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target}")
+        raise RuntimeError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target}")
     lay = _layout_of(mask, mesh)
     if mask.requires_grad and not isinstance(mask, ShardTensor):
         mask = distribute(mask, mesh, [Replicate()] * mesh.ndim)  # a full, plain gradient

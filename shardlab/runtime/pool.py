@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copyreg
+import importlib
 import multiprocessing as mp
 import os
 import signal
@@ -57,6 +59,21 @@ def _start_method(requested: str | None) -> str:
             f"start_method={requested!r} is not supported here; use one of {supported}"
         )
     return requested
+
+
+def dumps(obj) -> bytes:
+    """``cloudpickle.dumps``, with ``torch.ops`` sent by name. cloudpickle sends a function
+    with the submodules its code may reach (``torch.ops`` when the code says ``.ops``:
+    ``torch.ops.aten.add``), and ``torch.ops`` is a module of torch's own class, which
+    cloudpickle would copy instead of naming (and fail)."""
+    ops = sys.modules.get("torch.ops")
+    if ops is not None and type(ops) is not types.ModuleType:
+        copyreg.pickle(type(ops), _module_by_name)  # idempotent: one entry per class
+    return cloudpickle.dumps(obj)
+
+
+def _module_by_name(module):
+    return importlib.import_module, (module.__name__,)
 
 
 class Ranks:
@@ -281,7 +298,7 @@ class Ranks:
         for hook in hooks:
             fn, args, kwargs = hook.wrap(fn, args, kwargs)
         try:
-            payload = cloudpickle.dumps((fn, args, kwargs))
+            payload = dumps((fn, args, kwargs))
         except Exception as exc:
             raise TypeError(
                 f"ranks.run could not send {getattr(fn, '__name__', fn)!r} and its arguments "

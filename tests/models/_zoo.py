@@ -140,7 +140,7 @@ def decoder(name: str, **sizes):
 def text(name: str):
     """A text model that is not a RoPE decoder: bidirectional encoders (BERT), positions
     counted from the padding (RoBERTa, OPT), ALiBi built from the padding mask (BLOOM),
-    learned absolute positions (GPT-2). Its loss is the model's own (``labels``)."""
+    multi-query attention (Falcon), learned absolute positions (GPT-2). Its loss is the model's own (``labels``)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -161,6 +161,10 @@ def text(name: str):
         "bloom": lambda: tf.BloomForCausalLM(
             tf.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=1, n_head=2)
         ),
+        "falcon": lambda: tf.FalconForCausalLM(  # multi-query: one K/V head
+            tf.FalconConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                            num_attention_heads=4, multi_query=True)
+        ),  # fmt: skip
         "gpt2": lambda: tf.GPT2LMHeadModel(
             tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=16, n_layer=1, n_head=2)
         ),
@@ -170,7 +174,7 @@ def text(name: str):
     return _no_randomness(model)
 
 
-TEXT = ["bert", "roberta", "opt", "bloom", "gpt2"]
+TEXT = ["bert", "roberta", "opt", "bloom", "falcon", "gpt2"]
 VISION = ["resnet", "convnext", "vit", "swin", "segformer", "mobilevit", "beit"]
 DECODERS = ["llama", "qwen2"]
 

@@ -394,6 +394,46 @@ def test_learned_mask_gradient_messages(ranks_for):
             assert plain[2] == sharded[2] == fixed[2]
 
 
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, causal",
+    [
+        ((2, 4, 11, 8), (2, 1, 11, 8), True),  # multi-query (Falcon): one K/V head
+        ((2, 4, 11, 8), (1, 4, 11, 8), False),
+        ((2, 4, 11, 8), (1, 1, 11, 8), True),
+        ((2, 4, 11, 8), (4, 11, 8), False),  # fewer dims
+        ((2, 4, 11, 8), (11, 8), True),
+        ((1, 4, 11, 8), (2, 4, 11, 8), False),  # the query broadcasts
+    ],
+)
+def test_leading_dims_broadcast_as_torch(ranks_for, q_shape, kv_shape, causal):
+    """torch broadcasts q, k, v's leading dims; so does the ring, exactly, forward and
+    backward. One K/V head for all query heads travels as one head."""
+
+    def body():
+        mesh, n = this_rank().mesh, this_rank().world_size
+        gen = torch.Generator().manual_seed(3)
+        q = torch.randn(q_shape, generator=gen, dtype=f64, requires_grad=True)
+        k, v = (torch.randn(kv_shape, generator=gen, dtype=f64, requires_grad=True)
+                for _ in range(2))  # fmt: skip
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        w = torch.randn(ref.shape, generator=gen, dtype=f64)
+        want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        sizes = [random_sizes(random.Random(n), 11, n)]
+        with shardlab.patched(), shardlab.trace() as t:
+            qs = distribute(q, mesh, [Shard(q.ndim - 2)], sizes)
+            ks, vs = (distribute(x, mesh, [Shard(x.ndim - 2)], sizes) for x in (k, v))
+            y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+            got = torch.autograd.grad((y.full_tensor() * w).sum(), (q, k, v))
+        me = mesh.get_coordinate()[0]
+        recv = t.filter(label="sdpa.ring forward", kind="recv").bytes()
+        return all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want)), recv, me, sizes
+
+    for ok, recv, me, sizes in ranks_for(3).run(body):
+        assert ok
+        heads = 2 if kv_shape[:2] == (2, 1) else 8  # batch x K/V heads that travel
+        assert recv == 2 * heads * (11 - sizes[0][me]) * 8 * 8  # K and V of the others
+
+
 def test_errors(ranks_for):
     def body():
         mesh = this_rank().mesh
@@ -402,7 +442,7 @@ def test_errors(ranks_for):
             sdpa = F.scaled_dot_product_attention
             with pytest.raises(NotImplementedError, match="dropout_p"):
                 sdpa(q, q, q, dropout_p=0.1)
-            with pytest.raises(ValueError, match="is_causal"):
+            with pytest.raises(RuntimeError, match="is_causal"):  # torch's words and type
                 sdpa(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
             rep = distribute(torch.randn(1, 1, 4, 2), mesh, [Replicate()])
             with pytest.raises(NotImplementedError, match="shard the query"):
@@ -410,7 +450,7 @@ def test_errors(ranks_for):
             cols = distribute(torch.zeros(4, 4), mesh, [Shard(1)])
             with pytest.raises(NotImplementedError, match="key"):
                 sdpa(q, q, q, attn_mask=cols)
-            with pytest.raises(ValueError, match="enable_gqa"):
+            with pytest.raises(RuntimeError, match="enable_gqa"):
                 sdpa(q, torch.randn(1, 3, 4, 2), torch.randn(1, 3, 4, 2), enable_gqa=True)
         return True
 

@@ -77,12 +77,6 @@ def test_padded_logsumexp():
     assert kernels._pad_rows(torch.zeros(1, 1, 64), 40).shape == (1, 1, 64)
 
 
-def _aten(name):
-    """``torch.ops.aten.<name>``, looked up so that cloudpickle, shipping this module's
-    functions to the ranks by value, does not try to ship ``torch.ops`` with them."""
-    return getattr(getattr(getattr(torch, "ops"), "aten"), name)  # noqa: B009
-
-
 class _Emulated:
     """The CUDA ops as CPU functions that keep their contracts, so the ring's use of
     them runs here: inputs must be 4-D and contiguous; the memory-efficient kernel's
@@ -105,7 +99,7 @@ class _Emulated:
         return st
 
     def _cpu(self, q, k, v, causal, scale):
-        return _aten("_scaled_dot_product_flash_attention_for_cpu")(
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
 
@@ -122,7 +116,7 @@ class _Emulated:
         self._check(d, q, k, v, o)
         assert lse.shape == q.shape[:-1] and (mq, mk) == (q.shape[-2], k.shape[-2])
         assert any(seed is s and offset is f for s, f in self.states)
-        return _aten("_scaled_dot_product_flash_attention_for_cpu_backward")(
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             d, q, k, v, o, lse, 0.0, causal, scale=scale
         )
 
@@ -144,7 +138,7 @@ class _Emulated:
         self._check(d, q, k, v, o)
         assert lse.shape[-1] == -(-q.shape[-2] // 32) * 32 and lse.is_contiguous()
         assert any(seed is s and offset is f for s, f in self.states)
-        g = _aten("_scaled_dot_product_flash_attention_for_cpu_backward")(
+        g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             d, q, k, v, o, lse[..., : q.shape[-2]].contiguous(), 0.0, causal, scale=scale
         )
         return (*g, None)

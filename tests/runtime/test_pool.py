@@ -31,6 +31,16 @@ def test_args_kwargs_and_closures(ranks_for):
     assert ranks_for(3).run(fn, 2, b=1) == [11, 13, 15]
 
 
+def test_functions_using_torch_ops_travel(ranks_for):
+    """A function whose code says ``torch.ops.aten...`` (or any ``x.ops`` next to a
+    ``torch`` global): cloudpickle ships ``torch.ops`` with it, by name."""
+
+    def body(a):
+        return float(torch.ops.aten.add.Tensor(torch.tensor(a), this_rank().rank))
+
+    assert ranks_for(2).run(body, 1.5) == [1.5, 2.5]
+
+
 def test_namespace_persists_across_calls(ranks_for):
     ranks = ranks_for(2)
     ranks.push(step=5)

@@ -252,3 +252,60 @@ def test_inputs_with_different_uneven_sizes_are_aligned(ranks_for):
         )
 
     assert ranks_for(3).run(body) == [True] * 3
+
+
+def test_integer_indexing_and_its_gradient_stay_local(ranks_for):
+    """``x[:, :, idx]`` (Falcon's query/key/value split) and its gradient, ``index_put``
+    into zeros, with the sequence cut unevenly: exact, and no message at all (the zeros
+    are cut like the values, for free); ``index_put`` itself on a cut x and on a whole x
+    with cut values. Indices in front, adjacent or not."""
+
+    def body():
+        from shardlab.trace import trace
+
+        mesh, n = this_rank().mesh, this_rank().world_size
+        rng = random.Random(5)
+        res = []
+        for case in range(8):
+            shape = (2, 9, 6, 4)
+            sizes = random_sizes(rng, shape[1], n)
+            gen = torch.Generator().manual_seed(case)
+            g = torch.randn(shape, generator=gen, dtype=torch.float64)
+            idx = torch.randint(0, 6, (rng.randint(1, 3),), generator=gen)
+            pick = [
+                lambda t: t[:, :, idx],
+                lambda t: t[:, :, idx, 1:3],
+                lambda t: t[idx % 2, :, idx],  # not adjacent: index dims in front
+                lambda t: t[..., idx % 4],
+            ][case % 4]
+            ref_x = g.clone().requires_grad_()
+            ref = pick(ref_x)
+            w = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+            (ref * w).sum().backward()
+            st = distribute(g, mesh, [Shard(1)], sizes=[sizes]).requires_grad_()
+            with trace() as t:
+                y = pick(st)
+                grad = torch.autograd.grad((y.full_tensor() * w).sum(), st)[0]
+            fallbacks = [e.label for e in t.events if "fallback" in e.label]
+            res.append((torch.allclose(y.full_tensor(), ref, atol=1e-12),
+                        torch.allclose(grad.full_tensor(), ref_x.grad, atol=1e-12), fallbacks))
+        # index_put directly: x cut like the values, and x whole
+        vals = torch.randn(2, 9, 2, 4, dtype=torch.float64)
+        idx = torch.tensor([4, 1])
+        sizes = random_sizes(rng, 9, n)
+        for whole in (False, True):
+            base = torch.randn(2, 9, 6, 4, dtype=torch.float64)
+            put = torch.ops.aten.index_put.default  # torch.Tensor.index_put takes no None
+            ref = put(base, [None, None, idx], vals, True)
+            xs = distribute(base, mesh, [Replicate()] if whole else [Shard(1)],
+                            None if whole else [sizes])  # fmt: skip
+            vs = distribute(vals, mesh, [Shard(1)], [sizes])
+            with trace() as t:
+                out = put(xs, [None, None, idx], vs, True)
+            res.append((torch.allclose(out.full_tensor(), ref, atol=1e-12),
+                        out.sharding.placements == (Shard(1),), [e.label for e in t.events]))
+        return res
+
+    for world in (1, 3, 4):
+        for ok_fwd, ok_bwd, extra in ranks_for(world).run(body)[0]:
+            assert ok_fwd and ok_bwd and extra == [], extra

@@ -359,41 +359,85 @@ def _index(func, args, kwargs):
         x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for index")
     loc = [None if i is None else c.local(i) for i in indices]
     y = func(x._local_tensor, loc)
-    # result dims: the index shape replaces the indexed dims (in place when adjacent)
+    _, where, _ = _index_dims(x, indices)  # result dims of x's other dims
+    gshape = list(y.shape)
+    for d, e in where.items():
+        gshape[e] = x.shape[d]
+    return c.wrap(y, x.device_mesh, _relabel(x._layout, where, gshape))
+
+
+def _index_dims(x, indices):
+    """(indexed dims, the dims of ``x[indices]`` that the other dims of x land on), as
+    torch places them: the index shape replaces the indexed dims, in place when adjacent,
+    else in front."""
+    dims = [d for d, i in enumerate(indices) if i is not None]
     ishape = torch.broadcast_shapes(*[tuple(i.shape) for i in indices if i is not None])
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
     front = dims[0] if adjacent else 0
     rest = [d for d in range(x.ndim) if d not in dims]
-    where = {}
-    for d in rest:
-        where[d] = (
-            (d if d < front else d - len(dims) + len(ishape))
-            if adjacent
-            else (len(ishape) + rest.index(d))
-        )
-    lay = x._layout
-    places, atoms = [], [None] * y.ndim
-    gshape = list(y.shape)
+    where = {
+        d: ((d if d < front else d - len(dims) + len(ishape)) if adjacent
+            else len(ishape) + rest.index(d))
+        for d in rest
+    }  # fmt: skip
+    return dims, where, len(ishape)
+
+
+def _relabel(lay: ShardLayout, where: dict, shape) -> ShardLayout | None:
+    """``lay`` with each sharded dim d moved to dim ``where[d]`` of a tensor of global
+    ``shape`` (the same pieces: no data moves); None if a sharded dim has no place."""
+    places, atoms = [], [None] * len(shape)
     for p in lay.placements:
         if isinstance(p, Shard):
+            if p.dim not in where:
+                return None
             places.append(Shard(where[p.dim]))
             atoms[where[p.dim]] = lay.dim_atoms(p.dim)
-            gshape[where[p.dim]] = x.shape[p.dim]
         else:
             places.append(p)
-    cuts = tuple(lay.cut_of(m) for m in range(len(places)))
     if all(a is None or len(a) == 1 for a in atoms):
-        out = ShardLayout(tuple(gshape), lay.mesh_shape, tuple(places), lay.sizes)
-    else:
-        out = ShardLayout(
-            tuple(gshape),
-            lay.mesh_shape,
-            tuple(places),
-            lay.sizes,
-            tuple(None if a is None or len(a) == 1 else a for a in atoms),
-            cuts,
-        )
-    return c.wrap(y, x.device_mesh, out)
+        return ShardLayout(tuple(shape), lay.mesh_shape, tuple(places), lay.sizes)
+    cuts = tuple(lay.cut_of(m) for m in range(len(places)))
+    atoms = tuple(None if a is None or len(a) == 1 else a for a in atoms)
+    return ShardLayout(tuple(shape), lay.mesh_shape, tuple(places), lay.sizes, atoms, cuts)
+
+
+@register(aten.index_put.default)
+def _index_put(func, args, kwargs):
+    """``x.index_put(indices, values, accumulate)`` (``x[idx]``'s gradient is one) with
+    whole integer index tensors, values cut like ``x[indices]`` would be: x cut the same way,
+    or x replicated (then cut like them, no message); every rank writes its block. Other
+    cases go to the fallback."""
+    x, indices, values = args[0], list(args[1]), args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    st = c.shard_tensor_cls()
+    if not isinstance(x, st) or not isinstance(values, st) or not any(
+        i is not None for i in indices
+    ):
+        return NotImplemented
+    for i in indices:
+        if i is None:
+            continue
+        if i.dtype in (torch.bool, torch.uint8) or (
+            isinstance(i, st) and any(not isinstance(p, Replicate) for p in i._layout.placements)
+        ):
+            return NotImplemented
+    if any(isinstance(p, Partial) for p in x._layout.placements + values._layout.placements):
+        return NotImplemented
+    dims, where, n_index = _index_dims(x, indices)
+    if values.ndim != x.ndim - len(dims) + n_index:
+        return NotImplemented  # values broadcast: the fallback
+    back = {e: d for d, e in where.items()}  # a dim of values -> the dim of x it fills
+    target = _relabel(values._layout, back, tuple(x.shape))
+    if target is None:
+        return NotImplemented
+    if x._layout != target:
+        if any(not isinstance(p, Replicate) for p in x._layout.placements):
+            return NotImplemented
+        x = c.move(x, target, "index_put.cut")  # whole -> pieces: local slicing
+    loc = [None if i is None else c.local(i) for i in indices]
+    y = func(x._local_tensor, loc, values._local_tensor, accumulate)
+    return c.wrap(y, x.device_mesh, target)
 
 
 @register(aten.gather.default)
