@@ -204,3 +204,63 @@ def test_ring_through_cuda_kernels(ranks_for, world, kind):
         if world > 1:
             assert any(f"[{kind}]" in lab for lab in labels), labels
             assert all(lab.endswith(("]",)) for lab in labels), labels
+
+
+def _fake_ring(kind, dtype, n, me, causal, head_tail, rep, monkeypatch):
+    """The whole ring on fake CUDA tensors (no GPU: torch's fake tensors run each op's meta
+    implementation, the CUDA kernels' shape, dtype and device rules, and refuse a CPU tensor
+    mixed into a CUDA op), messages left out: every step, piece and merge of rank ``me``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardlab.ops import _ring
+    from shardlab.ops.attention import head_tail_order
+
+    monkeypatch.setattr(_ring, "_post", lambda plan, send, shapes, like, cause: (
+        [like.new_empty(s) for s in shapes], []))  # fmt: skip
+    s_total, hk = 8 * n, 2
+    sizes = [8] * n
+    starts = [8 * j for j in range(n)]
+    order = head_tail_order(s_total, n) if head_tail else torch.arange(s_total)
+    pos = [order[a : a + b] for a, b in zip(starts, sizes)]
+    plan = _ring.RingPlan(
+        peers=list(range(n)), me=me, group=None, kv_sizes=sizes, kv_starts=starts,
+        q_pos=pos[me] if causal else None, kv_pos=pos if causal else None, mask=None,
+        scale=0.125, rep=rep, kernel=kind,
+    )  # fmt: skip
+    # what each block runs in reads the true positions, CPU tensors with values: decided
+    # here, as every rank does before it computes
+    meta_q, meta_v = torch.empty(2, hk * rep, 8, 64, device="meta"), torch.empty(1, 1, 8, 64)
+    hows = {j: plan.how(j, meta_q, meta_v) for j in range(n)}
+    monkeypatch.setattr(plan, "how", lambda j, q, v: hows[j])
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the positions: CPU tensors
+        dev = torch.device("cuda")
+        q = torch.randn(2, hk * rep, 8, 64, dtype=dtype, device=dev)
+        k, v = (torch.randn(2, hk, 8, 64, dtype=dtype, device=dev) for _ in range(2))
+        rng: dict = {}  # (the autograd engine would want a real device: called directly)
+        out, lse = _ring.ring_forward(q, k, v, plan, rng)
+        *grads, _ = _ring.ring_backward(torch.randn_like(out), q, k, v, out, lse, plan, rng)
+        return (out, *grads), (q, k, v), {h[0] for h in hows.values()}
+
+
+@pytest.mark.parametrize(
+    "kind, dtype",
+    [("flash", bf16), ("flash", f16), ("efficient", f32), ("efficient", bf16),
+     ("explicit", f64)],
+)  # fmt: skip
+@pytest.mark.parametrize("causal, head_tail", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("rep", [1, 2])
+def test_ring_on_fake_cuda_tensors(monkeypatch, kind, dtype, causal, head_tail, rep):
+    """The ring's CUDA path, every rank position of a ring of 3 and a ring of 1: outputs and
+    gradients on the device, in the inputs' dtypes and shapes, through the kernel chosen
+    (torch's fake CUDA tensors: the fused ops' meta rules, no GPU needed; they need a torch
+    built with CUDA, which the registry's torch for Linux is, not the CPU wheel)."""
+    if not torch.backends.cuda.is_built():
+        pytest.skip("this torch is built without CUDA (the CPU wheel): no fake CUDA tensors")
+    for n, me in ((1, 0), (3, 0), (3, 1), (3, 2)):
+        (out, *grads), (q, k, v), hows = _fake_ring(
+            kind, dtype, n, me, causal, head_tail, rep, monkeypatch
+        )
+        assert out.device.type == "cuda" and out.dtype == dtype and out.shape == q.shape
+        for g, x in zip(grads, (q, k, v)):
+            assert g.device.type == "cuda" and g.dtype == dtype and g.shape == x.shape
+        assert hows <= {kind, "skipped"} and kind in hows, hows
