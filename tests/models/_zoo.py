@@ -137,6 +137,21 @@ def decoder(name: str, **sizes):
     return _no_randomness(model(cfg))
 
 
+def moe(name: str = "mixtral"):
+    """A mixture-of-experts decoder (top-2 of 4 experts; transformers runs the experts in
+    ``torch._grouped_mm``, float32 and bfloat16 only on CPU)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    return _no_randomness(tf.MixtralForCausalLM(cfg))
+
+
 def text(name: str):
     """A text model that is not a RoPE decoder: bidirectional encoders (BERT), positions
     counted from the padding (RoBERTa, OPT), ALiBi built from the padding mask (BLOOM),

@@ -272,6 +272,8 @@ def meta_call(func, args, kwargs):
 
 def _meta_call(func, args, kwargs):
     margs, mkwargs = tree_map(meta_of, (args, kwargs))
+    if func in _HALF_ONLY_META:
+        return _as_half_on_meta(func, margs, mkwargs)
     try:
         return func(*margs, **mkwargs)
     except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException):
@@ -291,6 +293,32 @@ def _meta_call(func, args, kwargs):
         ):
             return None
         raise
+
+
+# meta kernels that refuse dtypes the CPU kernel takes (torch 2.11-2.13: the meta of
+# ``_grouped_mm``, MoE experts in transformers, wants bfloat16; the CPU kernel also takes
+# float32 and float16): their shapes are read in bfloat16 and given the inputs' dtype
+_HALF_ONLY_META = {torch.ops.aten._grouped_mm.default}
+
+
+def _as_half_on_meta(func, margs, mkwargs):
+    floats = {a.dtype for a in tree_leaves((margs, mkwargs))
+              if isinstance(a, torch.Tensor) and a.is_floating_point()}  # fmt: skip
+    if floats <= {torch.bfloat16} or len(floats) != 1:
+        return func(*margs, **mkwargs)  # bfloat16, or mixed: torch's own words
+    (dtype,) = floats
+
+    def half(a):
+        return a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.dtype == dtype else a
+
+    out = func(*tree_map(half, margs), **tree_map(half, mkwargs))
+
+    def back(r):
+        if isinstance(r, torch.Tensor) and r.dtype == torch.bfloat16:
+            return torch.empty_strided(r.shape, r.stride(), dtype=dtype, device="meta")
+        return r
+
+    return tree_map(back, out)
 
 
 def rebuild(like, items: list):
