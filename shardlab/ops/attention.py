@@ -166,6 +166,8 @@ def scaled_dot_product_attention(
     seq = nd - 2
     rep = _check_shapes(query, key, value, enable_gqa)
     ql, kl, vl = query.sharding, _layout_of(key, mesh), _layout_of(value, mesh)
+    key, kl = _whole_where_query_is(key, kl, ql, seq)
+    value, vl = _whole_where_query_is(value, vl, ql, seq)
     coord = my_coord(mesh)
     ring = _check_layouts(ql, kl, vl, nd)
 
@@ -286,6 +288,24 @@ def _layout_of(t, mesh) -> ShardLayout:
             raise _why("all ShardTensor arguments must be on the query's mesh")
         return t.sharding
     return ShardLayout.build(tuple(t.shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
+
+
+def _whole_where_query_is(t, lay, ql, seq):
+    """k or v cut along the sequence on a mesh dim where the query is not (the decoder's
+    queries against the encoder's keys, the decoder not cut): every rank needs all of it,
+    gathered (labelled ``auto-redistribute for scaled_dot_product_attention``)."""
+    cut = [
+        m
+        for m, p in enumerate(lay.placements)
+        if p == Shard(seq) and ql.placements[m] != Shard(seq)
+    ]
+    if not cut:
+        return t, lay
+    from shardlab.layout import moves
+    from shardlab.tensor.api import _Redistribute
+
+    whole = moves.replicated(lay, cut)
+    return _Redistribute.apply(t, whole, "auto-redistribute for scaled_dot_product_attention"), whole
 
 
 def _check_layouts(ql, kl, vl, nd) -> int | None:

@@ -351,16 +351,19 @@ class _ToLocal(torch.autograd.Function):
 
 
 class _Redistribute(torch.autograd.Function):
+    """``_Redistribute.apply(st, layout, cause="redistribute")``: differentiable; ``cause``
+    labels the messages (its backward's: "redistribute backward")."""
+
     @staticmethod
-    def forward(ctx, st, dst):
+    def forward(ctx, st, dst, cause="redistribute"):
         ctx.mesh, ctx.src = st.device_mesh, st._layout
-        local = comm.redistribute_local(st._local_tensor, st._layout, dst, st.device_mesh)
+        local = comm.redistribute_local(st._local_tensor, st._layout, dst, st.device_mesh, cause)
         return ShardTensor._wrap(local, st.device_mesh, dst)
 
     @staticmethod
     def backward(ctx, grad):
         target = _grad_layout(ctx.src)
-        return ShardTensor._wrap(_local_of(grad, target, ctx.mesh), ctx.mesh, target), None
+        return ShardTensor._wrap(_local_of(grad, target, ctx.mesh), ctx.mesh, target), None, None
 
 
 def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:

@@ -137,6 +137,33 @@ def decoder(name: str, **sizes):
     return _no_randomness(model(cfg))
 
 
+def seq2seq(name: str):
+    """An encoder-decoder: T5 (a learned relative position bias in every attention) or
+    BART (learned positions); ``labels`` give the decoder its shifted inputs."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "t5":
+        cfg = tf.T5Config(
+            vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+            num_heads=2, relative_attention_num_buckets=8, decoder_start_token_id=0,
+            pad_token_id=0,
+        )  # fmt: skip
+        model = tf.T5ForConditionalGeneration(cfg)
+    else:
+        cfg = tf.BartConfig(
+            vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+            decoder_ffn_dim=32, max_position_embeddings=64,
+        )  # fmt: skip
+        model = tf.BartForConditionalGeneration(cfg)
+    model.config._attn_implementation = "sdpa"
+    return _no_randomness(model)
+
+
+SEQ2SEQ = ["t5", "bart"]
+
+
 def moe(name: str = "mixtral"):
     """A mixture-of-experts decoder (top-2 of 4 experts; transformers runs the experts in
     ``torch._grouped_mm``, float32 and bfloat16 only on CPU)."""

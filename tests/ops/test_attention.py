@@ -434,6 +434,38 @@ def test_leading_dims_broadcast_as_torch(ranks_for, q_shape, kv_shape, causal):
         assert recv == 2 * heads * (11 - sizes[0][me]) * 8 * 8  # K and V of the others
 
 
+def test_whole_queries_against_cut_keys_gather_them(ranks_for):
+    """A query not cut along the sequence (a decoder's, replicated) against keys/values cut
+    along it (an encoder's): k and v are gathered, once each (labelled), and the result is
+    exact, forward and backward."""
+
+    def body():
+        mesh, n = this_rank().mesh, this_rank().world_size
+        gen = torch.Generator().manual_seed(2)
+        q = torch.randn(2, 2, 5, 4, generator=gen, dtype=f64, requires_grad=True)
+        k, v = (torch.randn(2, 2, 11, 4, generator=gen, dtype=f64, requires_grad=True)
+                for _ in range(2))  # fmt: skip
+        ref = F.scaled_dot_product_attention(q, k, v)
+        w = torch.randn(ref.shape, generator=gen, dtype=f64)
+        want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        sizes = [random_sizes(random.Random(n), 11, n)]
+        with shardlab.patched(), shardlab.trace() as t:
+            qs = distribute(q, mesh, [Replicate()])
+            ks, vs = (distribute(x, mesh, [Shard(2)], sizes) for x in (k, v))
+            y = F.scaled_dot_product_attention(qs, ks, vs)
+        got = torch.autograd.grad((y.full_tensor() * w).sum(), (q, k, v))
+        gathered = t.filter(label="auto-redistribute for scaled_dot_product_attention", kind="recv")
+        me = mesh.get_coordinate()[0]
+        return (
+            all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want)),
+            gathered.bytes() == 2 * (11 - sizes[0][me]) * 2 * 2 * 4 * 8,  # others' k and v
+            y.sharding.placements == (Replicate(),),
+        )
+
+    for world in (1, 3):
+        assert all(all(r) for r in ranks_for(world).run(body))
+
+
 def test_errors(ranks_for):
     def body():
         mesh = this_rank().mesh
