@@ -63,7 +63,7 @@ def body(seq, dim, heads):
         )
     dist.barrier()
     model = copy.deepcopy(base)
-    contiguous = lambda: shard_batch(mesh, ids, labels=ids)  # noqa: E731
+    contiguous = lambda: shard_batch(mesh, ids, labels=ids, causal=True)  # noqa: E731
     run = step(model, contiguous)
     run()  # warm-up
     out["peak"] = peak_bytes(run, torch.device("cpu"))
@@ -87,7 +87,7 @@ def body(seq, dim, heads):
         mesh2 = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("seq", "tp"))
         tp = parallelize_module(copy.deepcopy(base), mesh2["tp"], tp_plan(base))
         with shardlab.trace(mesh2) as t2:
-            step(tp, lambda: shard_batch(mesh2, ids, labels=ids))()
+            step(tp, lambda: shard_batch(mesh2, ids, labels=ids, causal=True))()
         out["ce_2d"] = [
             (e.kind, e.bytes, mesh2.mesh_dim_names[e.mesh_dim])
             for e in t2.events
@@ -103,7 +103,8 @@ def body(seq, dim, heads):
         rows = order[start : start + (sizes[me] if ht else mine)]
         out[f"pairs_{name}"] = int((order[None, :] <= rows[:, None]).sum())
         run = step(
-            copy.deepcopy(base), lambda ht=ht: shard_batch(mesh, ids, labels=ids, head_tail=ht)
+            copy.deepcopy(base),
+            lambda ht=ht: shard_batch(mesh, ids, labels=ids, head_tail=ht, causal=True),
         )
         run()
         dist.barrier()

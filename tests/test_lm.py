@@ -183,7 +183,9 @@ def test_label_shift_moves_one_label_per_boundary_and_kv_bytes_are_the_ring(rank
         model = _model("gpt")
         ids, mask, labels = _batch(False)
         with shardlab.patched(), shardlab.trace() as t:
-            batch = shard_batch(mesh, ids, labels=labels, sizes=_zoo.uneven(13, mesh.size()))
+            batch = shard_batch(
+                mesh, ids, labels=labels, sizes=_zoo.uneven(13, mesh.size()), causal=True
+            )
             _, loss = _run(model, "gpt", **batch)
         me, sizes = mesh.get_coordinate()[0], _zoo.uneven(13, mesh.size())
         return {
@@ -244,7 +246,7 @@ def _body_2d(name, world):
         parallelize_module(model, mesh["tp"], plan)
         sizes = _zoo.uneven(13, world // 2)
         with shardlab.patched(), shardlab.trace(mesh) as t:
-            batch = shard_batch(mesh, ids, labels=labels, mesh_dim=0, sizes=sizes)
+            batch = shard_batch(mesh, ids, labels=labels, mesh_dim=0, sizes=sizes, causal=True)
             logits, loss = _run(model, name, **batch)
             loss.backward()
         tol = dict(rtol=1e-5, atol=1e-7) if name != "gpt" else dict(rtol=1e-9, atol=1e-11)

@@ -63,7 +63,7 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """``forward(input_ids, position_ids=None, attention_mask=None, labels=None,
     shift_labels=None) -> (logits, loss)``; ``attention_mask``: None (causal) or a
-    boolean (B, 1, S, S) mask (``shardlab.lm.shard_batch`` builds it)."""
+    boolean (B, 1, S, S) mask (``shardlab.lm.shard_batch(..., causal=True)`` builds it)."""
 
     def __init__(self, vocab=128, dim=32, heads=4, layers=2, max_len=8192, attention="ring"):
         super().__init__()

@@ -111,7 +111,7 @@ def one_size(seq: int, args) -> list[dict]:
     single, rows = common.gather(mine)[0], []
 
     def batch(m=mesh, dim=0):
-        return lambda: shardlab.lm.shard_batch(m, ids, labels=ids, mesh_dim=dim)
+        return lambda: shardlab.lm.shard_batch(m, ids, labels=ids, mesh_dim=dim, causal=True)
 
     runs = [
         (f"ring, {n} ranks", copy.deepcopy(base), batch(), None),

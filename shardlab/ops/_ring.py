@@ -393,13 +393,14 @@ class RingAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ctx.rng = {}  # what the CUDA kernels hand from forward to backward
         out, lse = ring_forward(q, k, v, plan, ctx.rng)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # a learned mask is saved too: written in place before backward, torch says so
+        ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
         ctx.plan = plan
         return _layout_like(out, ctx.strides[0])
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors[:5]
         mask_grad = ctx.needs_input_grad[4]
         *grads, dmask = ring_backward(
             dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.rng, mask_grad

@@ -156,11 +156,11 @@ def scaled_dot_product_attention(
             "_scaled_dot_product_attention: Explicit attn_mask should not be set when "
             "is_causal=True"
         )
-    if not isinstance(query, ShardTensor):
-        raise NotImplementedError(
-            "sharded scaled_dot_product_attention: the query must be a ShardTensor (sharded "
-            "along the sequence, dim -2); got a plain query with sharded key/value"
-        )
+    if not isinstance(query, ShardTensor):  # a plain query (SigLIP's learned probe): whole
+        from shardlab.tensor import distribute
+
+        mesh = next(t.device_mesh for t in (key, value) if isinstance(t, ShardTensor))
+        query = distribute(query, mesh, [Replicate()] * mesh.ndim)
     query, key, value, enable_gqa = _broadcast(query, key, value, enable_gqa)
     mesh, nd = query.device_mesh, query.ndim
     seq = nd - 2
@@ -239,11 +239,12 @@ def _broadcast(q, k, v, enable_gqa):
     (views) to the common leading shape. Returns (q, k, v, enable_gqa)."""
     if enable_gqa or min(q.ndim, k.ndim, v.ndim) < 2:
         return q, k, v, enable_gqa  # _check_shapes says what is wrong, as torch
-    nd = max(q.ndim, k.ndim, v.ndim)
-    q, k, v = (x.reshape((1,) * (nd - x.ndim) + tuple(x.shape)) for x in (q, k, v))
-    leads = [tuple(x.shape[:-2]) for x in (q, k, v)]
-    if leads[0] == leads[1] == leads[2]:
+    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
         return q, k, v, False
+    nd = max(q.ndim, k.ndim, v.ndim)
+    q, k, v = (x if x.ndim == nd else x.reshape((1,) * (nd - x.ndim) + tuple(x.shape))
+               for x in (q, k, v))  # fmt: skip
+    leads = [tuple(x.shape[:-2]) for x in (q, k, v)]
     try:
         target = torch.broadcast_shapes(*leads)
     except RuntimeError:
@@ -344,21 +345,38 @@ def _local_kv(t, lay, ql, mesh, coord, rep):
     if not isinstance(t, ShardTensor) and t.requires_grad:
         t = distribute(t, mesh, [Replicate()] * mesh.ndim)
     local = t.to_local(grad_placements=grads) if isinstance(t, ShardTensor) else t
-    box, qbox = lay.local_box(coord), ql.local_box(coord)
-    for d in range(t.ndim - 2):  # batch/head dims
+    for d, start, length in _everywhere(_kv_cuts, lay, ql, t.ndim, rep, at=coord):
+        local = local.narrow(d, start, length)
+    return local
+
+
+def _everywhere(cuts, lay, *args, at):
+    """``cuts(lay, *args, coord)`` checked at every mesh coordinate first, so that an
+    argument error is raised on every rank (never on some, the others then waiting in
+    the ring); returns its value at ``at``."""
+    for c in lay.coords():
+        cuts(lay, *args, c)
+    return cuts(lay, *args, at)
+
+
+def _kv_cuts(lay, ql, ndim, rep, coord) -> list:
+    """[(dim, start, length)]: k/v's block at ``coord`` narrowed to the batch/head rows its
+    queries need (GQA: whole K/V heads)."""
+    box, qbox, cuts = lay.local_box(coord), ql.local_box(coord), []
+    for d in range(ndim - 2):  # batch/head dims
         a, b = qbox[d]
-        if d == t.ndim - 3 and rep > 1:
+        if d == ndim - 3 and rep > 1:
             if a % rep or b % rep:
                 raise _why("with enable_gqa, each rank's query heads must cover whole K/V heads")
             a, b = a // rep, b // rep
         if not box[d][0] <= a <= b <= box[d][1]:
             raise _why(
-                f"k/v do not hold rows {a}:{b} of dim {d} that the local queries need; "
-                "shard batch/heads of q, k, v alike, or replicate k/v"
+                f"k/v do not hold rows {a}:{b} of dim {d} that the queries of mesh coordinate "
+                f"{tuple(coord)} need; shard batch/heads of q, k, v alike, or replicate k/v"
             )
         if (a, b) != box[d]:
-            local = local.narrow(d, a - box[d][0], b - a)
-    return local
+            cuts.append((d, a - box[d][0], b - a))
+    return cuts
 
 
 def _local_mask(mask, query, key, mesh, coord):
@@ -371,7 +389,7 @@ def _local_mask(mask, query, key, mesh, coord):
         return None
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         raise RuntimeError(f"attn_mask must be boolean or floating point, got {mask.dtype}")
-    nd, off = query.ndim, query.ndim - mask.ndim
+    off = query.ndim - mask.ndim
     target = (*query.shape[:-1], key.shape[-2])  # (B, H_q, S_q, S_kv)
     if off < 0 or any(n not in (1, target[i + off]) for i, n in enumerate(mask.shape)):
         raise RuntimeError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target}")
@@ -386,11 +404,19 @@ def _local_mask(mask, query, key, mesh, coord):
         local = mask.to_local(grad_placements=grads)
     else:
         local = mask
-    box, qbox = lay.local_box(coord), query.sharding.local_box(coord)
-    for i, n in enumerate(mask.shape):
+    for d, start, length in _everywhere(_mask_cuts, lay, query.sharding, off, at=coord):
+        local = local.narrow(d, start, length)
+    return local
+
+
+def _mask_cuts(lay, ql, off, coord) -> list:
+    """[(dim, start, length)]: the mask's block at ``coord`` narrowed to its queries' rows
+    (``off``: how many leading dims the query has more than the mask)."""
+    box, qbox, cuts = lay.local_box(coord), ql.local_box(coord), []
+    for i, n in enumerate(lay.global_shape):
         if n == 1:
             continue
-        if i + off == nd - 1:  # key columns: every rank needs them all
+        if i + off == len(ql.global_shape) - 1:  # key columns: every rank needs them all
             if box[i] != (0, n):
                 raise _why("attn_mask must not be sharded along its last (key) dim")
             continue
@@ -401,8 +427,8 @@ def _local_mask(mask, query, key, mesh, coord):
                 "query (dim -2, same sizes) or pass the full mask on every rank"
             )
         if (a, b) != (c, e):
-            local = local.narrow(i, a - c, b - a)
-    return local
+            cuts.append((i, a - c, b - a))
+    return cuts
 
 
 def _positions(lay, seq, mesh) -> torch.Tensor:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copyreg
 import importlib
+import io
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import time
@@ -62,18 +63,24 @@ def _start_method(requested: str | None) -> str:
 
 
 def dumps(obj) -> bytes:
-    """``cloudpickle.dumps``, with ``torch.ops`` sent by name. cloudpickle sends a function
-    with the submodules its code may reach (``torch.ops`` when the code says ``.ops``:
-    ``torch.ops.aten.add``), and ``torch.ops`` is a module of torch's own class, which
-    cloudpickle would copy instead of naming (and fail)."""
-    ops = sys.modules.get("torch.ops")
-    if ops is not None and type(ops) is not types.ModuleType:
-        copyreg.pickle(type(ops), _module_by_name)  # idempotent: one entry per class
-    return cloudpickle.dumps(obj)
+    """``cloudpickle.dumps``, modules of torch's own classes sent by name. cloudpickle sends
+    a function with the submodules its code may reach (``torch.ops`` when the code says
+    ``torch.ops.aten.add``, ``torch.backends.cuda`` ...), and copies a module whose class
+    is not ``ModuleType`` instead of naming it (and fails)."""
+    buf = io.BytesIO()
+    _ByName(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue()
 
 
-def _module_by_name(module):
-    return importlib.import_module, (module.__name__,)
+class _ByName(cloudpickle.Pickler):
+    def reducer_override(self, obj):
+        if (
+            isinstance(obj, types.ModuleType)
+            and type(obj) is not types.ModuleType
+            and sys.modules.get(getattr(obj, "__name__", None)) is obj
+        ):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
 
 
 class Ranks:

@@ -476,9 +476,14 @@ def test_errors(ranks_for):
                 sdpa(q, q, q, dropout_p=0.1)
             with pytest.raises(RuntimeError, match="is_causal"):  # torch's words and type
                 sdpa(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
-            rep = distribute(torch.randn(1, 1, 4, 2), mesh, [Replicate()])
-            with pytest.raises(NotImplementedError, match="shard the query"):
-                sdpa(rep, q, q)
+            # a mask cut otherwise than the queries: rank 0's rows fit, rank 1's do not;
+            # every rank must say so (a rank going on into the ring would wait forever)
+            rows = distribute(torch.zeros(1, 1, 4, 4), mesh, [Shard(2)], [[3, 1]])
+            with pytest.raises(NotImplementedError, match="rows of the local queries"):
+                sdpa(q, q, q, attn_mask=rows)
+            heads = distribute(torch.randn(1, 2, 4, 2), mesh, [Shard(1)])  # k/v: other heads
+            with pytest.raises(NotImplementedError, match="k/v do not hold rows"):
+                sdpa(distribute(torch.randn(1, 2, 4, 2), mesh, [Shard(2)]), heads, heads)
             cols = distribute(torch.zeros(4, 4), mesh, [Shard(1)])
             with pytest.raises(NotImplementedError, match="key"):
                 sdpa(q, q, q, attn_mask=cols)

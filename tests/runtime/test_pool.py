@@ -36,6 +36,7 @@ def test_functions_using_torch_ops_travel(ranks_for):
     ``torch`` global): cloudpickle ships ``torch.ops`` with it, by name."""
 
     def body(a):
+        torch.backends.cudnn.deterministic = torch.backends.cudnn.deterministic  # another one
         return float(torch.ops.aten.add.Tensor(torch.tensor(a), this_rank().rank))
 
     assert ranks_for(2).run(body, 1.5) == [1.5, 2.5]

@@ -304,8 +304,8 @@ _HALF_ONLY_META = {torch.ops.aten._grouped_mm.default}
 def _as_half_on_meta(func, margs, mkwargs):
     floats = {a.dtype for a in tree_leaves((margs, mkwargs))
               if isinstance(a, torch.Tensor) and a.is_floating_point()}  # fmt: skip
-    if floats <= {torch.bfloat16} or len(floats) != 1:
-        return func(*margs, **mkwargs)  # bfloat16, or mixed: torch's own words
+    if floats <= {torch.bfloat16} or len(floats) != 1 or mkwargs.get("out_dtype") is not None:
+        return func(*margs, **mkwargs)  # bfloat16, mixed, or an out_dtype: torch's own words
     (dtype,) = floats
 
     def half(a):

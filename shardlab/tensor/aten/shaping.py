@@ -429,8 +429,8 @@ def _index_put(func, args, kwargs):
         return NotImplemented  # values broadcast: the fallback
     back = {e: d for d, e in where.items()}  # a dim of values -> the dim of x it fills
     target = _relabel(values._layout, back, tuple(x.shape))
-    if target is None:
-        return NotImplemented
+    if target is None or any(values.shape[e] != x.shape[d] for e, d in back.items()):
+        return NotImplemented  # a cut dim of values torch broadcasts: the fallback
     if x._layout != target:
         if any(not isinstance(p, Replicate) for p in x._layout.placements):
             return NotImplemented
