@@ -10,7 +10,8 @@ the sharded sequence dim. This one keeps (B, H, S_local, head_dim) blocks throug
       need_weights=True: the weights of the local queries against all keys
       (B, S_local, S), from one all-gather of K (the weights are O(S_local x S) anyway)
 
-Supported: self- and cross-attention, packed or separate projection weights, biases,
+Supported: self- and cross-attention (a plain query, such as a learned probe, is read as
+replicated), packed or separate projection weights, biases,
 attn_mask (2-D or 3-D, bool or float), key_padding_mask, is_causal, need_weights and
 average_attn_weights. Not supported (clear error): bias_k/bias_v, add_zero_attn,
 static_k/static_v, dropout during training.
@@ -51,6 +52,7 @@ def multi_head_attention_forward(
         raise AssertionError(
             f"was expecting embedding dimension of {embed_dim_to_check}, but got {query.shape[-1]}"
         )
+    query = _whole_if_plain(query, key, value)  # SigLIP's learned probe: one query, whole
     if use_separate_proj_weight:
         weights = (q_proj_weight, k_proj_weight, v_proj_weight)
     else:
@@ -72,6 +74,16 @@ def multi_head_attention_forward(
     if not need_weights:
         return out, None
     return out, _weights(q, k, mask, causal, average_attn_weights)
+
+
+def _whole_if_plain(query, key, value):
+    """A plain query next to sharded keys/values: the same on every rank (Replicate)."""
+    from shardlab.tensor import ShardTensor, distribute
+
+    if isinstance(query, ShardTensor):
+        return query
+    mesh = next(t.device_mesh for t in (key, value) if isinstance(t, ShardTensor))
+    return distribute(query, mesh, [Replicate()] * mesh.ndim)
 
 
 def _merged_mask(attn_mask, key_padding_mask, batch, heads, lq, lk, is_causal):

@@ -99,6 +99,17 @@ def _vision(name: str):
         model = tf.BeitForImageClassification(cfg)
         model.config._attn_implementation = "sdpa"
         return model, "cls"
+    if name == "siglip":  # its head: one learned query attends to every (cut) patch
+        cfg = tf.SiglipConfig(
+            vision_config=dict(image_size=32, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=32),
+            text_config=dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                             num_attention_heads=2, intermediate_size=32),
+            num_labels=5,
+        )  # fmt: skip
+        model = tf.SiglipForImageClassification(cfg)
+        model.config._attn_implementation = "sdpa"
+        return model, "cls"
     if name == "mobilevit":
         cfg = tf.MobileViTConfig(
             image_size=32,
@@ -217,7 +228,7 @@ def text(name: str):
 
 
 TEXT = ["bert", "roberta", "opt", "bloom", "falcon", "gpt2"]
-VISION = ["resnet", "convnext", "vit", "swin", "segformer", "mobilevit", "beit"]
+VISION = ["resnet", "convnext", "vit", "swin", "segformer", "mobilevit", "beit", "siglip"]
 DECODERS = ["llama", "qwen2"]
 
 
