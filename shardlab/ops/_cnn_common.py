@@ -24,23 +24,42 @@ from shardlab.layout._windows import blocks_of
 from shardlab.trace import label
 
 
-def check_input(name: str, input, first_spatial: int = 2) -> None:
-    """Only the input is a ShardTensor; no Partial; no dim cut by two mesh dims."""
+def check_input(name: str, input):
+    """Only the input is a ShardTensor; no Partial. Returns it :func:`cut_once`."""
     from shardlab.tensor import ShardTensor
 
     if not isinstance(input, ShardTensor):
         raise NotImplementedError(f"{name}: only the input may be a ShardTensor")
-    seen = set()
+    check_no_partial(name, input)
+    return cut_once(name, input)
+
+
+def cut_once(name: str, input):
+    """``input`` with every dim cut by two mesh dims (flattened image tokens on a 2-D
+    mesh) cut by the first of them only, gathered along the other (labelled
+    ``auto-redistribute for <name>``): windows and statistics read one mesh dim's pieces."""
+    from shardlab.layout import moves
+    from shardlab.tensor.api import _Redistribute
+
+    seen, again = set(), []  # tensor dims seen cut; mesh dims cutting one again
+    for m, p in enumerate(input.sharding.placements):
+        if isinstance(p, Shard):
+            if p.dim in seen:
+                again.append(m)
+            seen.add(p.dim)
+    if not again:
+        return input
+    whole = moves.replicated(input.sharding, again)
+    return _Redistribute.apply(input, whole, f"auto-redistribute for {name}")
+
+
+def check_no_partial(name: str, input) -> None:
     for m, p in enumerate(input.sharding.placements):
         if isinstance(p, Partial):
             raise NotImplementedError(
                 f"{name}: input Partial() on mesh dim {m} is not supported; redistribute it "
                 "to Replicate() or Shard() first"
             )
-        if isinstance(p, Shard):
-            if p.dim in seen:
-                raise NotImplementedError(f"{name}: a dim sharded over two mesh dims")
-            seen.add(p.dim)
 
 
 def meta_call(fn, input, *args, **kwargs):

@@ -17,14 +17,16 @@ Batch or heads cut, the sequence whole: torch's own SDPA runs on the blocks (thr
 shardlab's aten rules; masks may then require grad, as Swin's relative position bias).
 Also handled: q and k/v of different lengths and sizes (including 0 and 1);
 k/v replicated (plain tensors or ``Replicate()``): local compute, no ring and no
-message forward; batch or heads sharded on another mesh dim (the ring runs along
-the sequence mesh dim only); ``is_causal`` with global positions; leading dims broadcast
-as torch's (one K/V head for every query head:
-the ring carries the one head); boolean or
-additive ``attn_mask``, also a learned one that requires grad (BEiT's relative
-position bias: its gradient is computed with the blocks, no message; a plain mask's
-is summed over the ranks by one all-reduce in backward, as any replicated
-parameter's); ``scale``; ``enable_gqa``. ``dropout_p > 0`` raises.
+message forward; a query not cut against cut k/v (a decoder's cross-attention): k/v
+gathered; batch or heads sharded on another mesh dim (the ring runs along the
+sequence mesh dim only); the sequence cut by both dims of a 2-D mesh (an image's
+patches cut along H and W): one ring over all of them; ``is_causal`` with global
+positions; leading dims broadcast as torch's (one K/V head for every query head: the
+ring carries the one head); boolean or additive ``attn_mask``, also a learned one that
+requires grad (BEiT's relative position bias: its gradient is computed with the
+blocks, no message; a plain mask's is summed over the ranks by one all-reduce in
+backward, as any replicated parameter's); ``scale``; ``enable_gqa``.
+``dropout_p > 0`` raises.
 
 Causal load balancing (head-tail). With ``is_causal`` and contiguous blocks, rank
 0 only sees K/V block 0 while rank N-1 sees all N. Cut the sequence in 2N chunks
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import math
 
 import torch
@@ -172,11 +175,14 @@ def scaled_dot_product_attention(
     ring = _check_layouts(ql, kl, vl, nd)
 
     # 2. the ring: peers from mesh coordinates, sizes of every K/V block
-    if ring is None:
+    if not ring:
         peers, me, group, kv_sizes = [None], 0, None, [key.shape[-2]]
-    else:
-        peers, me = peers_along(mesh, ring)
-        group, kv_sizes = mesh.get_group(ring), list(kl.shard_sizes(ring, coord))
+    elif len(ring) == 1:
+        peers, me = peers_along(mesh, ring[0])
+        group, kv_sizes = mesh.get_group(ring[0]), list(kl.shard_sizes(ring[0], coord))
+    else:  # one ring over both mesh dims, in the order of the blocks along the sequence
+        peers, me, kv_sizes = _ring_over(mesh, ring, kl, seq, coord)
+        group = None  # point to point between global ranks
     kv_starts = list(offsets(kv_sizes))
 
     # 3. local blocks; replicated k/v get Partial gradients over the query's mesh dims
@@ -309,8 +315,9 @@ def _whole_where_query_is(t, lay, ql, seq):
     return _Redistribute.apply(t, whole, "auto-redistribute for scaled_dot_product_attention"), whole
 
 
-def _check_layouts(ql, kl, vl, nd) -> int | None:
-    """The mesh dim the ring runs along (None: k/v hold the whole sequence)."""
+def _check_layouts(ql, kl, vl, nd) -> list[int]:
+    """The mesh dims the ring runs along: one, two (the sequence cut by both: flattened
+    image tokens of a 2-D mesh) or none (k/v hold the whole sequence)."""
     seq = nd - 2
     for name, lay in (("query", ql), ("key", kl), ("value", vl)):
         for m, p in enumerate(lay.placements):
@@ -323,14 +330,12 @@ def _check_layouts(ql, kl, vl, nd) -> int | None:
         raise _why("key and value must be sharded alike (same placements and sizes)")
     on_seq = lambda lay: [m for m, p in enumerate(lay.placements) if p == Shard(seq)]  # noqa: E731
     q_seq, kv_seq = on_seq(ql), on_seq(kl)
-    if len(q_seq) > 1 or len(kv_seq) > 1:
-        raise _why("the sequence is sharded over two mesh dims; shard it over one")
     if kv_seq and q_seq != kv_seq:
         raise _why(
-            f"key/value are sharded along the sequence on mesh dim {kv_seq[0]}, the query "
-            f"is not: shard the query's dim {seq} on the same mesh dim, or replicate k/v"
+            f"key/value are sharded along the sequence on mesh dims {kv_seq}, the query on "
+            f"{q_seq}: shard the query's dim {seq} on the same mesh dims, or replicate k/v"
         )
-    return kv_seq[0] if kv_seq else None
+    return kv_seq
 
 
 def _local_kv(t, lay, ql, mesh, coord, rep):
@@ -348,6 +353,27 @@ def _local_kv(t, lay, ql, mesh, coord, rep):
     for d, start, length in _everywhere(_kv_cuts, lay, ql, t.ndim, rep, at=coord):
         local = local.narrow(d, start, length)
     return local
+
+
+def _ring_over(mesh, ring, kl, seq, coord):
+    """(peers, my position, K/V block sizes) of a ring over the mesh dims ``ring`` that
+    all cut the sequence (outer first): rank (i, j) holds the (i * n_j + j)-th block."""
+    from shardlab.tensor.comm import rank_at
+
+    if _HEAD_TAIL.get():
+        raise _why("head_tail() with the sequence cut by two mesh dims; cut it by one")
+    coords = []
+    for idx in itertools.product(*(range(mesh.shape[m]) for m in ring)):
+        c = list(coord)
+        for m, i in zip(ring, idx):
+            c[m] = i
+        coords.append(tuple(c))
+    runs = [kl.dim_intervals(seq, c) for c in coords]
+    sizes = [sum(b - a for a, b in r) for r in runs]
+    starts = offsets(sizes)
+    if any(len(r) > 1 or (r and r[0][0] != st) for r, st in zip(runs, starts)):
+        raise _why("the sequence's blocks are not in ring order; cut it by one mesh dim")
+    return [rank_at(mesh, c) for c in coords], coords.index(tuple(coord)), sizes
 
 
 def _everywhere(cuts, lay, *args, at):

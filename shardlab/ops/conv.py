@@ -31,6 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import conv_plan, same_padding
 from shardlab.layout._checks import placement_str
+from shardlab.ops._cnn_common import cut_once
 from shardlab.ops._conv_overlap import OverlappedConv, interior
 from shardlab.ops.halo import Halo, WindowRecipe, peers_along
 from shardlab.ops.registry import register
@@ -115,6 +116,7 @@ def _conv(name: str, n: int, transposed: bool):
             raise ValueError(
                 f"{name}: expected a {n + 2}-D input (N, C, *{n} spatial dims), got {input.ndim}-D"
             )
+        input = cut_once(name, input)  # a spatial dim cut by two mesh dims: by one
         mesh, layout = input.device_mesh, input.sharding
         k = tuple(weight.shape[2:])
         s, d = _tuple("stride", stride, n), _tuple("dilation", dilation, n)
@@ -155,8 +157,6 @@ def _conv(name: str, n: int, transposed: bool):
                 local_pad.append(pads[i])
                 local_out_pad.append(out_pad[i])
                 continue
-            if len(mesh_dims) > 1:
-                raise NotImplementedError(f"{name}: a spatial dim sharded over two mesh dims")
             m = mesh_dims[0]
             plan = conv_plan(
                 layout.sizes_along(dim),

@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-from shardlab.ops._cnn_common import check_input, rewrap
+from shardlab.ops._cnn_common import check_no_partial
 from shardlab.ops.registry import register
 
 SCHEMES = ("counter", "torch")
@@ -68,34 +68,44 @@ def counter_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     return _shr(z, 11).double() * (1.0 / (1 << 53))
 
 
+def _global_indices(input) -> list[torch.Tensor]:
+    """Per dim, the global indices this rank's block holds, shaped to broadcast against
+    each other: consecutive, strided (a flattened (B*S) dim) or cut by two mesh dims."""
+    layout, coord = input.sharding, tuple(input.device_mesh.get_coordinate())
+    out = []
+    for d in range(input.ndim):
+        view = [1] * input.ndim
+        view[d] = -1
+        out.append(torch.as_tensor(layout.dim_indices(d, coord), dtype=torch.long).view(view))
+    return out
+
+
 def _global_flat_index(input) -> torch.Tensor:
     """Global row-major flat index of every element of this rank's block."""
-    layout = input.sharding
-    box = layout.local_box(tuple(input.device_mesh.get_coordinate()))
     flat = torch.zeros((), dtype=torch.long)
-    for d, (a, b) in enumerate(box):
-        view = [1] * len(box)
-        view[d] = -1
-        flat = flat * input.shape[d] + torch.arange(a, b).view(view)
-    return flat.expand([b - a for a, b in box])
+    for n, idx in zip(input.shape, _global_indices(input)):
+        flat = flat * n + idx
+    return flat.expand(input.to_local().shape)
 
 
-@register("dropout")
+@register("dropout", row_wise=True)
 def dropout(input, p=0.5, training=True, inplace=False):
+    from shardlab.tensor.api import from_layout
+
     if p < 0.0 or p > 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-    check_input("dropout", input, first_spatial=0)
     if not training or p == 0.0:
         return input
+    check_no_partial("dropout", input)
     x = input.to_local()
     if p == 1.0:
-        return rewrap(x * 0, input, {}, input.shape)
-    if _SCHEME[0] == "torch":  # torch's own noise for the whole tensor, then my block
+        y = x * 0
+    elif _SCHEME[0] == "torch":  # torch's own noise for the whole tensor, then my block
         noise = torch.empty(tuple(input.shape), dtype=x.dtype).bernoulli_(1 - p)
-        box = input.sharding.local_box(tuple(input.device_mesh.get_coordinate()))
-        keep = noise[tuple(slice(a, b) for a, b in box)]
+        keep = noise[tuple(_global_indices(input))]
+        y = x * (keep.to(x.device) / (1 - p))
     else:
         seed = int(torch.randint(0, 2**62, ()))  # same generator state -> same seed
         keep = (counter_uniform(seed, _global_flat_index(input)) >= p).to(x.dtype)
-    y = x * (keep.to(x.device) / (1 - p))  # the noise is drawn on the CPU
-    return rewrap(y, input, {}, input.shape)
+        y = x * (keep.to(x.device) / (1 - p))  # the noise is drawn on the CPU
+    return from_layout(y, input.device_mesh, input.sharding)

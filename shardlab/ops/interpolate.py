@@ -60,7 +60,7 @@ def interpolate(
     input, size=None, scale_factor=None, mode="nearest", align_corners=None,
     recompute_scale_factor=None, antialias=False,
 ):  # fmt: skip
-    check_input("interpolate", input)
+    input = check_input("interpolate", input)
     args = (size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
     shape = tuple(meta_call(F.interpolate, input, *args).shape)  # torch's checks and sizes
     n, layout = input.ndim - 2, input.sharding

@@ -44,6 +44,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardlab.ops._cnn_common import (
     AllReduceSum,
     check_input,
+    check_no_partial,
     groups_over,
     meta_call,
     rewrap,
@@ -112,7 +113,7 @@ def batch_norm(
     input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
     eps=1e-5,
 ):  # fmt: skip
-    check_input("batch_norm", input)
+    input = check_input("batch_norm", input)
     _no_channel_shard("batch_norm", input)
     meta_call(
         F.batch_norm, input, _meta(running_mean), _meta(running_var), _meta(weight),
@@ -144,7 +145,7 @@ def batch_norm(
 
 @register("group_norm")
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
-    check_input("group_norm", input)
+    input = check_input("group_norm", input)
     _no_channel_shard("group_norm", input)
     meta_call(F.group_norm, input, num_groups, _meta(weight), _meta(bias), eps)
     x, layout = input.to_local(), input.sharding  # (N, C, *S_local)
@@ -172,7 +173,7 @@ def instance_norm(
     input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
     momentum=0.1, eps=1e-5,
 ):  # fmt: skip
-    check_input("instance_norm", input)
+    input = check_input("instance_norm", input)
     _no_channel_shard("instance_norm", input)
     meta_call(
         F.instance_norm, input, _meta(running_mean), _meta(running_var), _meta(weight),
@@ -215,23 +216,45 @@ def instance_norm(
     return rewrap(y, input, {}, input.shape)
 
 
-@register("layer_norm")
+@register("layer_norm", row_wise=True)
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-    check_input("layer_norm", input, first_spatial=0)
+    from shardlab.tensor.api import from_layout
+
     meta_call(F.layer_norm, input, normalized_shape, _meta(weight), _meta(bias), eps)
-    x, layout, mesh = input.to_local(), input.sharding, input.device_mesh
     k = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
     dims = list(range(input.ndim - k, input.ndim))
-    groups = groups_over(mesh, sharding_mesh_dims(layout, dims))
-    if not groups:  # whole rows on every rank: the original op, no communication
+    if not sharding_mesh_dims(input.sharding, dims):
+        # whole rows on every rank, whatever cuts the other dims (strided, or one dim cut
+        # by two mesh dims: flattened image tokens): the original op, no communication
+        check_no_partial("layer_norm", input)
         w, b = summed_grads([weight, bias], input, "layer_norm.params")
+        x = input.to_local()
         y = _local(F.layer_norm, x, w, b, x.shape[input.ndim - k :], w, b, eps)
-        return rewrap(y, input, {}, input.shape)
+        return from_layout(y, input.device_mesh, input.sharding)
+    input = _consecutive(input, dims, "layer_norm")
+    input = check_input("layer_norm", input)
+    x, layout, mesh = input.to_local(), input.sharding, input.device_mesh
+    groups = groups_over(mesh, sharding_mesh_dims(layout, dims))
     w, b = (_weight_block(t, input, k) for t in (weight, bias))
     n = math.prod(input.shape[d] for d in dims)
     spec = NormSpec(tuple(x.shape), tuple(dims), n, groups, "layer_norm.stats", eps, None, False)
     y = SyncNorm.apply(x, w, b, spec, torch.zeros((), dtype=_work_dtype(x), device=x.device))[0]
     return rewrap(y, input, {}, input.shape)
+
+
+def _consecutive(input, dims, name):
+    """``input`` with the strided ones of ``dims`` cut into consecutive pieces (the
+    statistics read blocks of them; labelled ``auto-redistribute for <name>``)."""
+    from shardlab.layout import moves
+    from shardlab.tensor.api import _Redistribute
+
+    layout = input.sharding
+    for d in dims:
+        if not layout.is_block(d):
+            layout = moves.as_block(layout, d)
+    if layout == input.sharding:
+        return input
+    return _Redistribute.apply(input, layout, f"auto-redistribute for {name}")
 
 
 def _work_dtype(x):

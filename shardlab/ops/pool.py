@@ -86,7 +86,7 @@ def _max_pool(name: str, n: int):
         input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
         return_indices=False,
     ):  # fmt: skip
-        check_input(name, input)
+        input = check_input(name, input)
         ref = meta_call(
             op, input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
             return_indices=return_indices,
@@ -135,7 +135,7 @@ def _avg_pool(name: str, n: int):
         input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
         divisor_override=None,
     ):  # fmt: skip
-        check_input(name, input)
+        input = check_input(name, input)
         extra = () if n == 1 else (divisor_override,)
         if n == 1 and divisor_override is not None:
             raise TypeError("avg_pool1d() got an unexpected argument 'divisor_override'")
@@ -183,7 +183,7 @@ def _adaptive(name: str, n: int, kind: str):
     op = getattr(F, name)
 
     def handler(input, output_size, return_indices=False):
-        check_input(name, input)
+        input = check_input(name, input)
         extra = (return_indices,) if kind == "max" else ()
         if kind == "avg" and return_indices:
             raise TypeError(f"{name}() takes 2 positional arguments but 3 were given")

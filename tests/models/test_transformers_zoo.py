@@ -23,12 +23,14 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _vision_body(name: str):
+def _vision_body(name: str, mesh_2d: bool = False):
     def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
         import shardlab
         from shardlab import distribute, this_rank
 
-        mesh = this_rank().mesh
+        mesh = init_device_mesh("cpu", (2, 2)) if mesh_2d else this_rank().mesh
         model, kind = _zoo.vision(name)
         model = model.double()
         g = torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -41,9 +43,12 @@ def _vision_body(name: str):
         model.zero_grad(set_to_none=True)
 
         x = g.clone().requires_grad_()
-        sizes = _zoo.uneven(h, mesh.size())
+        if mesh_2d:  # H over mesh dim 0, W over mesh dim 1, both uneven
+            places, sizes = [Shard(2), Shard(3)], [_zoo.uneven(h, 2), _zoo.uneven(w, 2)[::-1]]
+        else:
+            places, sizes = [Shard(2)], _zoo.uneven(h, mesh.size())
         with shardlab.patched(), shardlab.trace() as t:
-            out = model(pixel_values=distribute(x, mesh, [Shard(2)], sizes), labels=labels)
+            out = model(pixel_values=distribute(x, mesh, places, sizes), labels=labels)
             out.loss.backward()
         got = _grads(model)
         logits = out.logits.full_tensor()
@@ -71,6 +76,16 @@ def test_vision_models_sharded_along_h_equal_one_device(ranks_for, name, world):
         assert res["params"] == [], res
         # whole-tensor fallbacks would be exact too, but these models need none
         assert res["fallbacks"] == [], res
+
+
+@pytest.mark.parametrize("name", _zoo.VISION)
+def test_vision_models_on_a_2d_mesh_cutting_h_and_w(ranks_for, name):
+    """The same models on a 2 x 2 mesh, H and W both cut unevenly: the flattened patch
+    tokens are then cut by both mesh dims (one ring over both for attention; windows and
+    pooling read them cut by one, gathered along the other: labelled moves)."""
+    for res in ranks_for(4).run(_vision_body(name, mesh_2d=True)):
+        assert res["logits"] and res["loss"] and res["input grad"], res
+        assert res["params"] == [] and res["fallbacks"] == [], res
 
 
 def _decoder_body(name: str):

@@ -466,6 +466,45 @@ def test_whole_queries_against_cut_keys_gather_them(ranks_for):
         assert all(all(r) for r in ranks_for(world).run(body))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequence_cut_by_both_dims_of_a_2d_mesh_is_one_ring(ranks_for, causal):
+    """Tokens cut by both mesh dims (a 2-D mesh's flattened image patches): one ring over
+    the 4 ranks in the blocks' order; exact, each rank receives every other K/V block once
+    forward (empty blocks never travel)."""
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2))
+        gen = torch.Generator().manual_seed(9)
+        q, k, v = (torch.randn(2, 2, 13, 4, generator=gen, dtype=f64, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        w = torch.randn(ref.shape, generator=gen, dtype=f64)
+        want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        sizes = [[8, 5], [(5, 3), (0, 5)]]  # blocks 5, 3, 0, 5 in ring order
+        with shardlab.patched():
+            qs, ks, vs = (distribute(x, mesh, [Shard(2), Shard(2)], sizes) for x in (q, k, v))
+            with shardlab.trace() as t:
+                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+            got = torch.autograd.grad((y.full_tensor() * w).sum(), (q, k, v))
+        mine = qs.to_local().shape[2]
+        recv = t.filter(label="sdpa.ring forward", kind="recv")
+        return (
+            all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want)),
+            (len(recv.events), recv.bytes()),
+            mine,
+            y.sharding == qs.sharding,
+        )
+
+    for ok, (count, nbytes), mine, same in ranks_for(4).run(body):
+        assert ok and same
+        others = [n for n in (5, 3, 0, 5)]
+        others.remove(mine)
+        assert count == 2 * sum(1 for n in others if n)  # K and V of every non-empty block
+        assert nbytes == 2 * sum(others) * 2 * 2 * 4 * 8
+
+
 def test_errors(ranks_for):
     def body():
         mesh = this_rank().mesh

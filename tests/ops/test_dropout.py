@@ -84,3 +84,38 @@ def test_edge_probabilities_and_errors(ranks_for):
 
     for errors, same, zeros in ranks_for(2).run(body):
         assert len(errors) == 2 and "between 0 and 1" in errors[0] and same and zeros
+
+
+def test_flattened_and_doubly_cut_rows_keep_their_layout(ranks_for):
+    """(B, S, D) with S cut, flattened to (B*S, D) (a strided layout, as transformers' MLPs
+    do), and a dim cut by both dims of a 2-D mesh: dropout (and a layer norm over the last
+    dim) keep the layout and send nothing; the mask is one device's."""
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from shardlab.trace import trace
+
+        mesh1, mesh2 = this_rank().mesh, init_device_mesh("cpu", (2, 2))
+        g = torch.rand(3, 11, 6, dtype=torch.float64) + 1
+        w = torch.randn(6, dtype=torch.float64)
+        torch.manual_seed(5)
+        ref = F.layer_norm(F.dropout(g.reshape(33, 6), p=0.3), (6,), w)
+        res = []
+        with shardlab.patched():
+            for mesh, places, sizes in [
+                (mesh1, [Shard(1)], [[4, 0, 2, 5]]),  # flattened below: strided rows
+                (mesh2, [Shard(0), Shard(0)], [[2, 1], [(1, 1), (1, 0)]]),  # doubly cut
+            ]:
+                st = distribute(g, mesh, places, sizes=sizes).reshape(33, 6)
+                before = st.sharding
+                torch.manual_seed(5)
+                with trace() as t, mask_scheme("torch"):  # torch's own mask, as ref's
+                    y = F.layer_norm(F.dropout(st, p=0.3), (6,), w)
+                res.append((torch.allclose(y.full_tensor(), ref), y.sharding == before,
+                            t.counts()))  # fmt: skip
+        return res
+
+    for per_rank in ranks_for(4).run(body):
+        for ok, same_layout, counts in per_rank:
+            assert ok and same_layout and counts == {}, (ok, same_layout, counts)
