@@ -139,8 +139,9 @@ def _text_body(name):
                 out.loss.backward()
             res[pad] = {
                 "keys": sorted(batch),
-                "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=1e-9,
-                                         atol=1e-11),  # fmt: skip
+                "logits": torch.allclose(
+                    out.logits.full_tensor(), ref.logits, rtol=1e-9, atol=1e-11
+                ),  # fmt: skip
                 "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-5, atol=1e-7),
                 "bad grads": [
                     n

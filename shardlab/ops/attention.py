@@ -270,7 +270,9 @@ def _broadcast(q, k, v, enable_gqa):
 def _check_shapes(q, k, v, enable_gqa) -> int:
     """Query heads per K/V head (1 without GQA); torch's shape rules."""
     if not (q.ndim == k.ndim == v.ndim >= 2):
-        raise RuntimeError(f"q, k, v must have the same ndim >= 2, got {q.ndim}, {k.ndim}, {v.ndim}")
+        raise RuntimeError(
+            f"q, k, v must have the same ndim >= 2, got {q.ndim}, {k.ndim}, {v.ndim}"
+        )
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise RuntimeError(
             f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k need "
@@ -312,7 +314,8 @@ def _whole_where_query_is(t, lay, ql, seq):
     from shardlab.tensor.api import _Redistribute
 
     whole = moves.replicated(lay, cut)
-    return _Redistribute.apply(t, whole, "auto-redistribute for scaled_dot_product_attention"), whole
+    cause = "auto-redistribute for scaled_dot_product_attention"
+    return _Redistribute.apply(t, whole, cause), whole
 
 
 def _check_layouts(ql, kl, vl, nd) -> list[int]:

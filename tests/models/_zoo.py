@@ -193,7 +193,8 @@ def moe(name: str = "mixtral"):
 def text(name: str):
     """A text model that is not a RoPE decoder: bidirectional encoders (BERT), positions
     counted from the padding (RoBERTa, OPT), ALiBi built from the padding mask (BLOOM),
-    multi-query attention (Falcon), learned absolute positions (GPT-2). Its loss is the model's own (``labels``)."""
+    multi-query attention (Falcon), learned absolute positions (GPT-2). Its loss is the
+    model's own (``labels``)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -208,15 +209,25 @@ def text(name: str):
             )
         ),
         "opt": lambda: tf.OPTForCausalLM(
-            tf.OPTConfig(hidden_size=16, ffn_dim=32, max_position_embeddings=64,
-                         word_embed_proj_dim=16, **small)
+            tf.OPTConfig(
+                hidden_size=16,
+                ffn_dim=32,
+                max_position_embeddings=64,
+                word_embed_proj_dim=16,
+                **small,
+            )
         ),  # fmt: skip
         "bloom": lambda: tf.BloomForCausalLM(
             tf.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=1, n_head=2)
         ),
         "falcon": lambda: tf.FalconForCausalLM(  # multi-query: one K/V head
-            tf.FalconConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
-                            num_attention_heads=4, multi_query=True)
+            tf.FalconConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                multi_query=True,
+            )
         ),  # fmt: skip
         "gpt2": lambda: tf.GPT2LMHeadModel(
             tf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=16, n_layer=1, n_head=2)

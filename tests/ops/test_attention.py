@@ -369,7 +369,9 @@ def test_learned_mask_gradient_messages(ranks_for):
             ref = F.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3])
             w = torch.randn(ref.shape, generator=gen, dtype=f64)
             want = torch.autograd.grad((ref * w).sum(), leaves)
-            ours = [x.detach().clone().requires_grad_(learned or i < 3) for i, x in enumerate(leaves)]
+            ours = [
+                x.detach().clone().requires_grad_(learned or i < 3) for i, x in enumerate(leaves)
+            ]
             with shardlab.patched():
                 qs, ks, vs = (distribute(x, mesh, [Shard(2)], sizes) for x in ours[:3])
                 m = distribute(ours[3], mesh, [Shard(1)], sizes) if sharded else ours[3]

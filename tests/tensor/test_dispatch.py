@@ -273,10 +273,10 @@ def test_integer_indexing_and_its_gradient_stay_local(ranks_for):
             g = torch.randn(shape, generator=gen, dtype=torch.float64)
             idx = torch.randint(0, 6, (rng.randint(1, 3),), generator=gen)
             pick = [
-                lambda t: t[:, :, idx],
-                lambda t: t[:, :, idx, 1:3],
-                lambda t: t[idx % 2, :, idx],  # not adjacent: index dims in front
-                lambda t: t[..., idx % 4],
+                lambda t, idx=idx: t[:, :, idx],
+                lambda t, idx=idx: t[:, :, idx, 1:3],
+                lambda t, idx=idx: t[idx % 2, :, idx],  # not adjacent: index dims in front
+                lambda t, idx=idx: t[..., idx % 4],
             ][case % 4]
             ref_x = g.clone().requires_grad_()
             ref = pick(ref_x)
@@ -287,8 +287,13 @@ def test_integer_indexing_and_its_gradient_stay_local(ranks_for):
                 y = pick(st)
                 grad = torch.autograd.grad((y.full_tensor() * w).sum(), st)[0]
             fallbacks = [e.label for e in t.events if "fallback" in e.label]
-            res.append((torch.allclose(y.full_tensor(), ref, atol=1e-12),
-                        torch.allclose(grad.full_tensor(), ref_x.grad, atol=1e-12), fallbacks))
+            res.append(
+                (
+                    torch.allclose(y.full_tensor(), ref, atol=1e-12),
+                    torch.allclose(grad.full_tensor(), ref_x.grad, atol=1e-12),
+                    fallbacks,
+                )
+            )
         # index_put directly: x cut like the values, and x whole
         vals = torch.randn(2, 9, 2, 4, dtype=torch.float64)
         idx = torch.tensor([4, 1])
@@ -302,8 +307,13 @@ def test_integer_indexing_and_its_gradient_stay_local(ranks_for):
             vs = distribute(vals, mesh, [Shard(1)], [sizes])
             with trace() as t:
                 out = put(xs, [None, None, idx], vs, True)
-            res.append((torch.allclose(out.full_tensor(), ref, atol=1e-12),
-                        out.sharding.placements == (Shard(1),), [e.label for e in t.events]))
+            res.append(
+                (
+                    torch.allclose(out.full_tensor(), ref, atol=1e-12),
+                    out.sharding.placements == (Shard(1),),
+                    [e.label for e in t.events],
+                )
+            )
         return res
 
     for world in (1, 3, 4):

@@ -411,8 +411,10 @@ def _index_put(func, args, kwargs):
     x, indices, values = args[0], list(args[1]), args[2]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     st = c.shard_tensor_cls()
-    if not isinstance(x, st) or not isinstance(values, st) or not any(
-        i is not None for i in indices
+    if (
+        not isinstance(x, st)
+        or not isinstance(values, st)
+        or not any(i is not None for i in indices)
     ):
         return NotImplemented
     for i in indices:
