@@ -196,10 +196,18 @@ class Explainer:
 
     def _hook_runs(self) -> None:
         """A pre-hook on the first node of each run of one owner, in the order backward
-        will run them (decreasing sequence number)."""
-        self.owned.sort(key=lambda item: -item[0]._sequence_nr())
-        last = self  # no owner yet
+        will run them (decreasing sequence number). A node whose graph is already gone (an
+        output nobody kept, as SigLIP's attention weights: torch 2.11 frees its custom
+        nodes then) never runs: it is left out."""
+        alive = []
         for node, module in self.owned:
+            try:
+                alive.append((node._sequence_nr(), node, module))
+            except RuntimeError:  # "... invalid for this instance of _C._FunctionBase"
+                continue
+        alive.sort(key=lambda item: -item[0])
+        last = self  # no owner yet
+        for _, node, module in alive:
             if module is not last:
                 hook = self.node_hooks.get(module)
                 if hook is None:

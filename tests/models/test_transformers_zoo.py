@@ -23,6 +23,16 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _bad_params(want, got, rtol, atol):
+    """Names of the parameters whose gradient is missing, not a plain tensor, or off."""
+    return sorted(
+        n
+        for n, v in want.items()
+        if type(got.get(n)) is not torch.Tensor
+        or not torch.allclose(got[n], v, rtol=rtol, atol=atol)
+    )
+
+
 def _vision_body(name: str, mesh_2d: bool = False):
     def body():
         from torch.distributed.device_mesh import init_device_mesh
@@ -56,12 +66,7 @@ def _vision_body(name: str, mesh_2d: bool = False):
             "logits": torch.allclose(logits, ref.logits, rtol=1e-10, atol=1e-12),
             "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-10, atol=1e-12),
             "input grad": torch.allclose(x.grad, xr.grad, rtol=1e-10, atol=1e-12),
-            "params": sorted(
-                n
-                for n, v in want.items()
-                if type(got.get(n)) is not torch.Tensor
-                or not torch.allclose(got[n], v, rtol=1e-9, atol=1e-12)
-            ),
+            "params": _bad_params(want, got, rtol=1e-9, atol=1e-12),
             "fallbacks": sorted({e.label for e in t.events if "whole-tensor" in e.label}),
         }
 
@@ -117,12 +122,7 @@ def _decoder_body(name: str):
             "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=1e-10, atol=1e-12),
             "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-6),
             "float64 loss": torch.allclose(exact, ref64, rtol=1e-12),
-            "params": sorted(
-                n
-                for n, v in want.items()
-                if type(got.get(n)) is not torch.Tensor
-                or not torch.allclose(got[n], v, rtol=1e-5, atol=1e-7)
-            ),
+            "params": _bad_params(want, got, rtol=1e-5, atol=1e-7),
             "sequence": out.logits.sharding.placements == (Shard(1),),
         }
 
@@ -157,12 +157,7 @@ def _moe_body():
     return {
         "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=1e-5, atol=1e-6),
         "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-5),
-        "params": sorted(
-            n
-            for n, v in want.items()
-            if type(got.get(n)) is not torch.Tensor
-            or not torch.allclose(got[n], v, rtol=1e-4, atol=1e-6)
-        ),
+        "params": _bad_params(want, got, rtol=1e-4, atol=1e-6),
     }
 
 
@@ -197,12 +192,7 @@ def _seq2seq_body(name: str):
         return {
             "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=1e-10, atol=1e-12),
             "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-6),
-            "params": sorted(
-                n
-                for n, v in want.items()
-                if type(got.get(n)) is not torch.Tensor
-                or not torch.allclose(got[n], v, rtol=1e-5, atol=1e-7)
-            ),
+            "params": _bad_params(want, got, rtol=1e-5, atol=1e-7),
         }
 
     return body

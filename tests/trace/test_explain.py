@@ -232,3 +232,38 @@ def test_a_model_applied_twice(ranks_for):
         for conv in ("0", "2"):
             assert p2p[conv, "forward"] == p2p[conv, "backward"] == 2 * 2 * hops, p2p
         assert p2p["(outside modules)", "backward"] == 4, p2p
+
+
+class _Pooling(torch.nn.Module):
+    """A learned query attends to every token; the attention weights, also returned by
+    ``nn.MultiheadAttention``, are dropped (as SigLIP's pooling head does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.probe = torch.nn.Parameter(torch.randn(1, 1, 8))
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        out, _ = self.attn(self.probe.expand(x.shape[0], 1, 8), x, x)  # weights dropped
+        return out
+
+
+def test_outputs_nobody_keeps_are_left_out(ranks_for):
+    """A module output that is dropped right away (its autograd nodes freed: torch 2.11
+    then refuses to read them) neither breaks explain nor shows in backward."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        model = _Pooling()
+        x = torch.randn(2, 7, 8)
+        with shardlab.patched():
+            ex = shardlab.explain(model, distribute(x, mesh, [Shard(1)], [[4, 3]]))
+        return sorted({(r.name, r.phase) for r in ex.rows(this_rank().rank)})
+
+    for rows in ranks_for(2).run(body):
+        assert ("attn", "forward") in rows and ("attn", "backward") in rows, rows
