@@ -50,10 +50,21 @@ import itertools
 import math
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
-from shardlab.layout import ShardLayout, chunk_sizes, offsets
+from shardlab.layout import chunk_sizes, offsets
 from shardlab.ops import _ring_kernels as kernels
+from shardlab.ops._attn_args import (
+    broadcast,
+    check_layouts,
+    check_shapes,
+    layout_of,
+    local_kv,
+    local_mask,
+    sequence_cut,
+    whole_where_query_is,
+    why,
+)
 from shardlab.ops._ring import RingAttention, RingPlan
 from shardlab.ops.halo import peers_along
 from shardlab.ops.registry import register
@@ -144,7 +155,7 @@ def scaled_dot_product_attention(
     from shardlab.tensor import ShardTensor
     from shardlab.tensor.comm import my_coord
 
-    if not _sequence_cut(query, key, value):  # batch/heads cut only: no ring needed
+    if not sequence_cut(query, key, value):  # batch/heads cut only: no ring needed
         return torch._C._nn.scaled_dot_product_attention(  # torch's own, on the blocks
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
@@ -164,15 +175,15 @@ def scaled_dot_product_attention(
 
         mesh = next(t.device_mesh for t in (key, value) if isinstance(t, ShardTensor))
         query = distribute(query, mesh, [Replicate()] * mesh.ndim)
-    query, key, value, enable_gqa = _broadcast(query, key, value, enable_gqa)
+    query, key, value, enable_gqa = broadcast(query, key, value, enable_gqa)
     mesh, nd = query.device_mesh, query.ndim
     seq = nd - 2
-    rep = _check_shapes(query, key, value, enable_gqa)
-    ql, kl, vl = query.sharding, _layout_of(key, mesh), _layout_of(value, mesh)
-    key, kl = _whole_where_query_is(key, kl, ql, seq)
-    value, vl = _whole_where_query_is(value, vl, ql, seq)
+    rep = check_shapes(query, key, value, enable_gqa)
+    ql, kl, vl = query.sharding, layout_of(key, mesh), layout_of(value, mesh)
+    key, kl = whole_where_query_is(key, kl, ql, seq)
+    value, vl = whole_where_query_is(value, vl, ql, seq)
     coord = my_coord(mesh)
-    ring = _check_layouts(ql, kl, vl, nd)
+    ring = check_layouts(ql, kl, vl, nd)
 
     # 2. the ring: peers from mesh coordinates, sizes of every K/V block
     if not ring:
@@ -187,15 +198,15 @@ def scaled_dot_product_attention(
 
     # 3. local blocks; replicated k/v get Partial gradients over the query's mesh dims
     q_l = query.to_local()  # (B, H_q, S_local_q, D)
-    k_l = _local_kv(key, kl, ql, mesh, coord, rep)  # (B, H_kv, S_local_kv, D)
-    v_l = _local_kv(value, vl, ql, mesh, coord, rep)  # (B, H_kv, S_local_kv, D_v)
+    k_l = local_kv(key, kl, ql, mesh, coord, rep)  # (B, H_kv, S_local_kv, D)
+    v_l = local_kv(value, vl, ql, mesh, coord, rep)  # (B, H_kv, S_local_kv, D_v)
     q_pos = kv_pos = None
     if is_causal:  # true positions of my query rows and of every K/V block (on the CPU)
         a, b = ql.local_box(coord)[seq]
         q_pos = _positions(ql, seq, mesh)[a:b]
         kv_all = _positions(kl, seq, mesh)
         kv_pos = [kv_all[s : s + n] for s, n in zip(kv_starts, kv_sizes)]
-    mask_l = _local_mask(attn_mask, query, key, mesh, coord)  # (.., S_local_q, S_kv)
+    mask_l = local_mask(attn_mask, query, key, mesh, coord)  # (.., S_local_q, S_kv)
     plan = RingPlan(
         peers=peers,
         me=me,
@@ -222,149 +233,13 @@ def scaled_dot_product_attention(
 
 
 # -- helpers ---------------------------------------------------------------------
-def _sequence_cut(*tensors) -> bool:
-    """Does a mesh dim cut the sequence (dim -2) of q, k or v?"""
-    from shardlab.tensor import ShardTensor
-
-    return any(
-        isinstance(p, Shard) and p.dim == t.ndim - 2
-        for t in tensors
-        if isinstance(t, ShardTensor)
-        for p in t.sharding.placements
-    )
-
-
-def _why(msg: str) -> NotImplementedError:
-    return NotImplementedError(f"sharded scaled_dot_product_attention: {msg}")
-
-
-def _broadcast(q, k, v, enable_gqa):
-    """torch broadcasts the leading dims of q, k and v (multi-query attention: K/V with one
-    head, as Falcon's). One K/V head for every query head, the query's heads not cut: the
-    grouped-query path (the ring carries the one head); otherwise the tensors are expanded
-    (views) to the common leading shape. Returns (q, k, v, enable_gqa)."""
-    if enable_gqa or min(q.ndim, k.ndim, v.ndim) < 2:
-        return q, k, v, enable_gqa  # _check_shapes says what is wrong, as torch
-    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
-        return q, k, v, False
-    nd = max(q.ndim, k.ndim, v.ndim)
-    q, k, v = (x if x.ndim == nd else x.reshape((1,) * (nd - x.ndim) + tuple(x.shape))
-               for x in (q, k, v))  # fmt: skip
-    leads = [tuple(x.shape[:-2]) for x in (q, k, v)]
-    try:
-        target = torch.broadcast_shapes(*leads)
-    except RuntimeError:
-        return q, k, v, False
-    heads_cut = any(p == Shard(nd - 3) for p in q.sharding.placements)
-    if (
-        nd >= 3
-        and leads[0] == target
-        and leads[1] == leads[2] == (*target[:-1], 1)
-        and not heads_cut
-    ):
-        return q, k, v, True  # one K/V head for all: GQA with H_kv = 1
-    q, k, v = (x.expand(*target, *x.shape[-2:]) for x in (q, k, v))
-    return q, k, v, False
-
-
-def _check_shapes(q, k, v, enable_gqa) -> int:
-    """Query heads per K/V head (1 without GQA); torch's shape rules."""
-    if not (q.ndim == k.ndim == v.ndim >= 2):
-        raise RuntimeError(
-            f"q, k, v must have the same ndim >= 2, got {q.ndim}, {k.ndim}, {v.ndim}"
-        )
-    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        raise RuntimeError(
-            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k need "
-            "the same last dim, k and v the same sequence length"
-        )
-    lead = q.ndim - 3 if enable_gqa and q.ndim >= 3 else q.ndim - 2
-    hq, hk = (q.shape[-3], k.shape[-3]) if lead == q.ndim - 3 else (1, 1)
-    if q.shape[:lead] != k.shape[:lead] or k.shape[:-2] != v.shape[:-2] or hq % hk:
-        raise RuntimeError(
-            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
-            + (" (enable_gqa: query heads must be a multiple of key heads)" if enable_gqa else "")
-        )
-    return hq // hk
-
-
-def _layout_of(t, mesh) -> ShardLayout:
-    """A ShardTensor's layout; a plain tensor is read as replicated."""
-    from shardlab.tensor import ShardTensor
-
-    if isinstance(t, ShardTensor):
-        if t.device_mesh != mesh:
-            raise _why("all ShardTensor arguments must be on the query's mesh")
-        return t.sharding
-    return ShardLayout.build(tuple(t.shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
-
-
-def _whole_where_query_is(t, lay, ql, seq):
-    """k or v cut along the sequence on a mesh dim where the query is not (the decoder's
-    queries against the encoder's keys, the decoder not cut): every rank needs all of it,
-    gathered (labelled ``auto-redistribute for scaled_dot_product_attention``)."""
-    cut = [
-        m
-        for m, p in enumerate(lay.placements)
-        if p == Shard(seq) and ql.placements[m] != Shard(seq)
-    ]
-    if not cut:
-        return t, lay
-    from shardlab.layout import moves
-    from shardlab.tensor.api import _Redistribute
-
-    whole = moves.replicated(lay, cut)
-    cause = "auto-redistribute for scaled_dot_product_attention"
-    return _Redistribute.apply(t, whole, cause), whole
-
-
-def _check_layouts(ql, kl, vl, nd) -> list[int]:
-    """The mesh dims the ring runs along: one, two (the sequence cut by both: flattened
-    image tokens of a 2-D mesh) or none (k/v hold the whole sequence)."""
-    seq = nd - 2
-    for name, lay in (("query", ql), ("key", kl), ("value", vl)):
-        for m, p in enumerate(lay.placements):
-            if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == nd - 1):
-                raise _why(
-                    f"{name} is {p} on mesh dim {m}; redistribute it (Shard the "
-                    "sequence or batch/heads, or Replicate)"
-                )
-    if kl.placements != vl.placements or kl.sizes != vl.sizes:
-        raise _why("key and value must be sharded alike (same placements and sizes)")
-    on_seq = lambda lay: [m for m, p in enumerate(lay.placements) if p == Shard(seq)]  # noqa: E731
-    q_seq, kv_seq = on_seq(ql), on_seq(kl)
-    if kv_seq and q_seq != kv_seq:
-        raise _why(
-            f"key/value are sharded along the sequence on mesh dims {kv_seq}, the query on "
-            f"{q_seq}: shard the query's dim {seq} on the same mesh dims, or replicate k/v"
-        )
-    return kv_seq
-
-
-def _local_kv(t, lay, ql, mesh, coord, rep):
-    """This rank's k or v: its own sequence block, cut to the batch/head rows of
-    the local queries. Gradient: Partial on mesh dims where q is sharded and t is not."""
-    from shardlab.tensor import ShardTensor, distribute
-
-    grads = [
-        Partial() if isinstance(qp, Shard) and not isinstance(p, Shard) else p
-        for p, qp in zip(lay.placements, ql.placements)
-    ]
-    if not isinstance(t, ShardTensor) and t.requires_grad:
-        t = distribute(t, mesh, [Replicate()] * mesh.ndim)
-    local = t.to_local(grad_placements=grads) if isinstance(t, ShardTensor) else t
-    for d, start, length in _everywhere(_kv_cuts, lay, ql, t.ndim, rep, at=coord):
-        local = local.narrow(d, start, length)
-    return local
-
-
 def _ring_over(mesh, ring, kl, seq, coord):
     """(peers, my position, K/V block sizes) of a ring over the mesh dims ``ring`` that
     all cut the sequence (outer first): rank (i, j) holds the (i * n_j + j)-th block."""
     from shardlab.tensor.comm import rank_at
 
     if _HEAD_TAIL.get():
-        raise _why("head_tail() with the sequence cut by two mesh dims; cut it by one")
+        raise why("head_tail() with the sequence cut by two mesh dims; cut it by one")
     coords = []
     for idx in itertools.product(*(range(mesh.shape[m]) for m in ring)):
         c = list(coord)
@@ -375,89 +250,8 @@ def _ring_over(mesh, ring, kl, seq, coord):
     sizes = [sum(b - a for a, b in r) for r in runs]
     starts = offsets(sizes)
     if any(len(r) > 1 or (r and r[0][0] != st) for r, st in zip(runs, starts)):
-        raise _why("the sequence's blocks are not in ring order; cut it by one mesh dim")
+        raise why("the sequence's blocks are not in ring order; cut it by one mesh dim")
     return [rank_at(mesh, c) for c in coords], coords.index(tuple(coord)), sizes
-
-
-def _everywhere(cuts, lay, *args, at):
-    """``cuts(lay, *args, coord)`` checked at every mesh coordinate first, so that an
-    argument error is raised on every rank (never on some, the others then waiting in
-    the ring); returns its value at ``at``."""
-    for c in lay.coords():
-        cuts(lay, *args, c)
-    return cuts(lay, *args, at)
-
-
-def _kv_cuts(lay, ql, ndim, rep, coord) -> list:
-    """[(dim, start, length)]: k/v's block at ``coord`` narrowed to the batch/head rows its
-    queries need (GQA: whole K/V heads)."""
-    box, qbox, cuts = lay.local_box(coord), ql.local_box(coord), []
-    for d in range(ndim - 2):  # batch/head dims
-        a, b = qbox[d]
-        if d == ndim - 3 and rep > 1:
-            if a % rep or b % rep:
-                raise _why("with enable_gqa, each rank's query heads must cover whole K/V heads")
-            a, b = a // rep, b // rep
-        if not box[d][0] <= a <= b <= box[d][1]:
-            raise _why(
-                f"k/v do not hold rows {a}:{b} of dim {d} that the queries of mesh coordinate "
-                f"{tuple(coord)} need; shard batch/heads of q, k, v alike, or replicate k/v"
-            )
-        if (a, b) != box[d]:
-            cuts.append((d, a - box[d][0], b - a))
-    return cuts
-
-
-def _local_mask(mask, query, key, mesh, coord):
-    """The mask's rows of my queries (its columns stay global: the ring cuts them per block).
-    A mask that requires grad (a learned bias) stays attached: its gradient is Partial on
-    the mesh dims that cut the query but not the mask (each rank has its query rows')."""
-    from shardlab.tensor import ShardTensor, distribute
-
-    if mask is None:
-        return None
-    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise RuntimeError(f"attn_mask must be boolean or floating point, got {mask.dtype}")
-    off = query.ndim - mask.ndim
-    target = (*query.shape[:-1], key.shape[-2])  # (B, H_q, S_q, S_kv)
-    if off < 0 or any(n not in (1, target[i + off]) for i, n in enumerate(mask.shape)):
-        raise RuntimeError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target}")
-    lay = _layout_of(mask, mesh)
-    if mask.requires_grad and not isinstance(mask, ShardTensor):
-        mask = distribute(mask, mesh, [Replicate()] * mesh.ndim)  # a full, plain gradient
-    if isinstance(mask, ShardTensor):
-        grads = [
-            Partial() if isinstance(qp, Shard) and not isinstance(p, Shard) else p
-            for p, qp in zip(lay.placements, query.sharding.placements)
-        ]
-        local = mask.to_local(grad_placements=grads)
-    else:
-        local = mask
-    for d, start, length in _everywhere(_mask_cuts, lay, query.sharding, off, at=coord):
-        local = local.narrow(d, start, length)
-    return local
-
-
-def _mask_cuts(lay, ql, off, coord) -> list:
-    """[(dim, start, length)]: the mask's block at ``coord`` narrowed to its queries' rows
-    (``off``: how many leading dims the query has more than the mask)."""
-    box, qbox, cuts = lay.local_box(coord), ql.local_box(coord), []
-    for i, n in enumerate(lay.global_shape):
-        if n == 1:
-            continue
-        if i + off == len(ql.global_shape) - 1:  # key columns: every rank needs them all
-            if box[i] != (0, n):
-                raise _why("attn_mask must not be sharded along its last (key) dim")
-            continue
-        (a, b), (c, e) = qbox[i + off], box[i]
-        if not c <= a <= b <= e:
-            raise _why(
-                "attn_mask must hold the rows of the local queries: shard it like the "
-                "query (dim -2, same sizes) or pass the full mask on every rank"
-            )
-        if (a, b) != (c, e):
-            cuts.append((i, a - c, b - a))
-    return cuts
 
 
 def _positions(lay, seq, mesh) -> torch.Tensor:
