@@ -143,18 +143,38 @@ def check_layouts(ql, kl, vl, nd) -> list[int]:
 def local_kv(t, lay, ql, mesh, coord, rep):
     """This rank's k or v: its own sequence block, cut to the batch/head rows of
     the local queries. Gradient: Partial on mesh dims where q is sharded and t is not."""
+    local = attached_local(t, lay, ql, mesh)
+    for d, start, length in everywhere(kv_cuts, lay, ql, t.ndim, rep, at=coord):
+        local = local.narrow(d, start, length)
+    return local
+
+
+def attached_local(t, lay, ql, mesh):
+    """``t``'s local block, its gradient Partial on the mesh dims that cut the query but
+    not ``t`` (each rank contributes its queries' part); a plain tensor that requires grad
+    is read as replicated, so its ``.grad`` is the full sum, as on one device."""
     from shardlab.tensor import ShardTensor, distribute
 
+    if not isinstance(t, ShardTensor) and t.requires_grad:
+        t = distribute(t, mesh, [Replicate()] * mesh.ndim)
+    if not isinstance(t, ShardTensor):
+        return t
     grads = [
         Partial() if isinstance(qp, Shard) and not isinstance(p, Shard) else p
         for p, qp in zip(lay.placements, ql.placements)
     ]
-    if not isinstance(t, ShardTensor) and t.requires_grad:
-        t = distribute(t, mesh, [Replicate()] * mesh.ndim)
-    local = t.to_local(grad_placements=grads) if isinstance(t, ShardTensor) else t
-    for d, start, length in everywhere(kv_cuts, lay, ql, t.ndim, rep, at=coord):
-        local = local.narrow(d, start, length)
-    return local
+    return t.to_local(grad_placements=grads)
+
+
+def whole_if_plain(query, key, value):
+    """A plain query next to sharded keys/values (SigLIP's learned probe): the same on
+    every rank, read as replicated (differentiably)."""
+    from shardlab.tensor import ShardTensor, distribute
+
+    if isinstance(query, ShardTensor):
+        return query
+    mesh = next(t.device_mesh for t in (key, value) if isinstance(t, ShardTensor))
+    return distribute(query, mesh, [Replicate()] * mesh.ndim)
 
 
 def everywhere(cuts, lay, *args, at):
@@ -190,8 +210,6 @@ def local_mask(mask, query, key, mesh, coord):
     """The mask's rows of my queries (its columns stay global: the ring cuts them per block).
     A mask that requires grad (a learned bias) stays attached: its gradient is Partial on
     the mesh dims that cut the query but not the mask (each rank has its query rows')."""
-    from shardlab.tensor import ShardTensor, distribute
-
     if mask is None:
         return None
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
@@ -201,16 +219,7 @@ def local_mask(mask, query, key, mesh, coord):
     if off < 0 or any(n not in (1, target[i + off]) for i, n in enumerate(mask.shape)):
         raise RuntimeError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target}")
     lay = layout_of(mask, mesh)
-    if mask.requires_grad and not isinstance(mask, ShardTensor):
-        mask = distribute(mask, mesh, [Replicate()] * mesh.ndim)  # a full, plain gradient
-    if isinstance(mask, ShardTensor):
-        grads = [
-            Partial() if isinstance(qp, Shard) and not isinstance(p, Shard) else p
-            for p, qp in zip(lay.placements, query.sharding.placements)
-        ]
-        local = mask.to_local(grad_placements=grads)
-    else:
-        local = mask
+    local = attached_local(mask, lay, query.sharding, mesh)
     for d, start, length in everywhere(mask_cuts, lay, query.sharding, off, at=coord):
         local = local.narrow(d, start, length)
     return local

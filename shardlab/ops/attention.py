@@ -50,7 +50,7 @@ import itertools
 import math
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from shardlab.layout import chunk_sizes, offsets
 from shardlab.ops import _ring_kernels as kernels
@@ -62,6 +62,7 @@ from shardlab.ops._attn_args import (
     local_kv,
     local_mask,
     sequence_cut,
+    whole_if_plain,
     whole_where_query_is,
     why,
 )
@@ -170,11 +171,7 @@ def scaled_dot_product_attention(
             "_scaled_dot_product_attention: Explicit attn_mask should not be set when "
             "is_causal=True"
         )
-    if not isinstance(query, ShardTensor):  # a plain query (SigLIP's learned probe): whole
-        from shardlab.tensor import distribute
-
-        mesh = next(t.device_mesh for t in (key, value) if isinstance(t, ShardTensor))
-        query = distribute(query, mesh, [Replicate()] * mesh.ndim)
+    query = whole_if_plain(query, key, value)
     query, key, value, enable_gqa = broadcast(query, key, value, enable_gqa)
     mesh, nd = query.device_mesh, query.ndim
     seq = nd - 2

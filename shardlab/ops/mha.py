@@ -35,6 +35,7 @@ def multi_head_attention_forward(
     v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
     is_causal=False,
 ):  # fmt: skip
+    from shardlab.ops._attn_args import whole_if_plain
     from shardlab.ops.attention import scaled_dot_product_attention as sdpa
 
     for name, bad in (
@@ -52,7 +53,7 @@ def multi_head_attention_forward(
         raise AssertionError(
             f"was expecting embedding dimension of {embed_dim_to_check}, but got {query.shape[-1]}"
         )
-    query = _whole_if_plain(query, key, value)  # SigLIP's learned probe: one query, whole
+    query = whole_if_plain(query, key, value)  # SigLIP's learned probe: one query, whole
     if use_separate_proj_weight:
         weights = (q_proj_weight, k_proj_weight, v_proj_weight)
     else:
@@ -74,16 +75,6 @@ def multi_head_attention_forward(
     if not need_weights:
         return out, None
     return out, _weights(q, k, mask, causal, average_attn_weights)
-
-
-def _whole_if_plain(query, key, value):
-    """A plain query next to sharded keys/values: the same on every rank (Replicate)."""
-    from shardlab.tensor import ShardTensor, distribute
-
-    if isinstance(query, ShardTensor):
-        return query
-    mesh = next(t.device_mesh for t in (key, value) if isinstance(t, ShardTensor))
-    return distribute(query, mesh, [Replicate()] * mesh.ndim)
 
 
 def _merged_mask(attn_mask, key_padding_mask, batch, heads, lq, lk, is_causal):
