@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Shard
 
 from shardlab.layout._windows import blocks_of
+from shardlab.tensor.recompute import fenced
 from shardlab.trace import label
 
 
@@ -174,6 +175,7 @@ def _all_reduce(t, groups, cause, phase):
     return t
 
 
+@fenced
 class AllReduceSum(torch.autograd.Function):
     """``AllReduceSum.apply(t, groups, cause)``: the sum over the ranks, differentiable.
 
@@ -191,6 +193,7 @@ class AllReduceSum(torch.autograd.Function):
         return _all_reduce(grad, ctx.groups, ctx.cause, "backward"), None, None
 
 
+@fenced
 class _SumGrads(torch.autograd.Function):
     """Identity on (weight, bias, ...); backward sums their gradients over the ranks in
     one all-reduce of the concatenated gradients."""

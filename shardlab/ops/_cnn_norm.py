@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlab.ops._cnn_common import _all_reduce
+from shardlab.tensor.recompute import fenced, kept
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ def _work(t):
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
+@fenced
 class SyncNorm(torch.autograd.Function):
     """``y, mean, var = SyncNorm.apply(x, w, b, spec, shift)`` (mean, var: no gradient)."""
 
@@ -74,7 +76,7 @@ class SyncNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
-        x, w, mean, rstd = ctx.saved_tensors
+        x, w, mean, rstd = kept(ctx)
         spec = ctx.spec
         dyw = _work(dy)
         xhat = ((_work(x).reshape(spec.view) - mean) * rstd).reshape(x.shape)

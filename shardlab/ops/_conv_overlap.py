@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from shardlab.ops.halo import keep_for_send_back, post_halo, send_back, simple_window
+from shardlab.tensor.recompute import fenced, kept
 
 aten = torch.ops.aten
 
@@ -77,6 +78,7 @@ def _fill(window, recv_bufs, plan, me, dim) -> None:
         pos += hi - lo
 
 
+@fenced
 class OverlappedConv(torch.autograd.Function):
     """``y = OverlappedConv.apply(x, w, b, along, conv_args, cause, rebuild)``: steps 1-3.
 
@@ -121,7 +123,7 @@ class OverlappedConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        window, w, *recv_bufs = ctx.saved_tensors
+        window, w, *recv_bufs = kept(ctx)
         if ctx.rebuild:
             window = _window(window, recv_bufs, ctx.plan, ctx.me, ctx.dim, *ctx.geometry)
         stride, padding, dilation, groups = ctx.conv_args

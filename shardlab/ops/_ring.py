@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from shardlab.ops import _ring_kernels as kernels
 from shardlab.tensor.comm import post
+from shardlab.tensor.recompute import fenced, kept
 from shardlab.trace import label
 
 NEG_INF = -math.inf
@@ -383,6 +384,7 @@ def _layout_like(t: torch.Tensor, strides) -> torch.Tensor:
     return t.permute(order).contiguous().permute([order.index(d) for d in range(t.ndim)])
 
 
+@fenced
 class RingAttention(torch.autograd.Function):
     """``out = RingAttention.apply(q, k, v, plan, mask)`` on local blocks (B, H, S_local, D);
     ``mask``: ``plan.mask`` again when it needs a gradient (else None)."""
@@ -400,7 +402,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors[:5]
+        q, k, v, out, lse = kept(ctx)[:5]
         mask_grad = ctx.needs_input_grad[4]
         *grads, dmask = ring_backward(
             dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.rng, mask_grad

@@ -61,6 +61,7 @@ from shardlab.ops import _ce_args as ce_args
 from shardlab.ops.registry import register
 from shardlab.tensor import comm
 from shardlab.tensor.api import from_layout
+from shardlab.tensor.recompute import fenced, kept
 from shardlab.trace import label
 
 __all__ = ["cross_entropy"]
@@ -134,6 +135,7 @@ def cross_entropy(
     return from_layout(out, mesh, ce_args.rows_layout(layout, cd))
 
 
+@fenced
 class _CrossEntropy(torch.autograd.Function):
     """On local blocks: x (N, C_l, *d) -> per-row loss (N, *d) or the reduced scalar."""
 
@@ -218,7 +220,7 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         plan, wv, cd = ctx.plan, ctx.wv, ctx.plan.cd
         g = ((grad.unsqueeze(cd) if plan.reduction == "none" else grad) / ctx.denom).to(grad)
-        saved = [s.to(grad.dtype) if s.is_floating_point() else s for s in ctx.saved_tensors]
+        saved = [s.to(grad.dtype) if s.is_floating_point() else s for s in kept(ctx)]
         if plan.probs:
             x, t, lse, big_b = saved
             q = t * (1 - plan.eps) + plan.eps / plan.n_classes if plan.eps else t

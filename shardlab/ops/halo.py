@@ -13,11 +13,14 @@ gradient of each received row goes back to its owner and is added there.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from shardlab.layout import ConvPlan
 from shardlab.tensor.comm import post
+from shardlab.tensor.recompute import fenced
 from shardlab.trace import label
 
 
@@ -91,6 +94,7 @@ def send_back(ctx, grad):
     return g_local
 
 
+@fenced
 class Halo(torch.autograd.Function):
     """``window = Halo.apply(local, plan, dim, peers, me, offset, fill, cause)``.
 
@@ -177,12 +181,14 @@ class WindowRecipe:
         return x
 
     def hooks(self, window: torch.Tensor):
+        if self.block is None or not self.stages:
+            # nothing to rebuild from: no hooks, so an enclosing activation checkpoint's
+            # own hooks see (and drop) what the op saves
+            return contextlib.nullcontext()
         ptr, shape = window.data_ptr(), window.shape
 
         def pack(t):
-            if self.block is None:
-                return t
-            if self.stages and t.data_ptr() == ptr and t.shape == shape and ptr:
+            if t.data_ptr() == ptr and t.shape == shape and ptr:
                 return self
             return t
 

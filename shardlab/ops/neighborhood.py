@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 
 from shardlab.layout.neighborhood import check_dim, neighborhood_plan, neighbors
+from shardlab.tensor.recompute import fenced, kept
 
 __all__ = ["na1d", "na2d", "na3d", "neighborhood_attention"]
 
@@ -81,16 +82,19 @@ def neighborhood_attention(q, k, v, kernel_size, dilation=1, is_causal=False, sc
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not any(isinstance(t, ShardTensor) for t in (q, k, v)):
         index = [
-            _index(neighbors(spatial[i], ks[i], ds[i], causal[i]), None, q.device) for i in range(n)
+            _index(neighbors(spatial[i], ks[i], ds[i], causal[i]), 0, spatial[i], None, q.device)
+            for i in range(n)
         ]
         return _NA.apply(q, k, v, index, scale)
     return _sharded(q, k, v, ks, ds, causal, scale, n)
 
 
-def _index(nb, rows, device):
-    """(queries, slots): each query's keys (``nb``, global) as positions in the local
-    window (-1: no key); ``rows``: the window's global rows (None: the whole dim)."""
-    table = torch.tensor(nb, dtype=torch.long).view(len(nb), -1)
+def _index(nb, a, b, rows, device):
+    """(queries a..b-1, slots): each query's keys (``nb``, global, every query's) as
+    positions in the local window (-1: no key); ``rows``: the window's global rows (None:
+    the whole dim). An empty block (a == b) keeps the slots: (0, slots)."""
+    slots = len(nb[0]) if nb else 0
+    table = torch.tensor(nb[a:b], dtype=torch.long).view(b - a, slots)
     if rows is not None:
         lookup = torch.full((max(rows, default=0) + 1,), -1, dtype=torch.long)
         lookup[list(rows)] = torch.arange(len(rows))
@@ -136,14 +140,14 @@ def _sharded(q, k, v, ks, ds, causal, scale, n):
         nb = neighbors(length, ks[i], ds[i], causal[i])
         a, b = box[dim]
         if not cut:
-            index.append(_index(nb[a:b], None, kv.device))
+            index.append(_index(nb, a, b, None, kv.device))
             continue
         if len(cut) > 1:
             raise NotImplementedError(f"sharded na{n}d: spatial dim {dim} is cut twice")
         plan = neighborhood_plan(tuple(lay.sizes_along(dim)), ks[i], ds[i], causal[i])
         peers, me = peers_along(mesh, cut[0])
         kv = Halo.apply(kv, plan, dim, peers, me, a, 0.0, f"na{n}d.halo")
-        index.append(_index(nb[a:b], plan.rows[me], kv.device))
+        index.append(_index(nb, a, b, plan.rows[me], kv.device))
     dk = k.shape[-1]
     out = _NA.apply(q.to_local(), kv[..., :dk], kv[..., dk:], index, scale)
     shape = (*q.shape[:-1], v.shape[-1])
@@ -170,6 +174,7 @@ def _valid(index, slot):
     return out
 
 
+@fenced
 class _NA(torch.autograd.Function):
     """Local neighborhood attention; scores (B, *queries, H, slots), nothing bigger."""
 
@@ -194,7 +199,7 @@ class _NA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, p = ctx.saved_tensors
+        q, k, v, p = kept(ctx)
         index, slots, scale = ctx.index, ctx.slots, ctx.scale
         # dp_j = g . v_j ; ds = p (dp - sum_j p_j dp_j)
         dp = torch.stack([(g * _gather(v, index, s)).sum(-1) for s in slots], -1)

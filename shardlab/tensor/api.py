@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
 from shardlab.layout import ShardLayout
-from shardlab.tensor import comm, submesh
+from shardlab.tensor import comm, recompute, submesh
 from shardlab.tensor.losses import LOSSES, reduce_loss
+from shardlab.tensor.recompute import fenced
 
 __all__ = ["ShardTensor", "scatter_tensor", "distribute"]
 
@@ -254,6 +255,9 @@ class ShardTensor(DTensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            run = recompute.tensor_backward if func is torch.Tensor.backward else recompute.backward
+            return run(*args, **kwargs)  # with __torch_function__ on (recomputation)
         args, kwargs = _lift_trainable(args, kwargs)
         if func in LOSSES or func is torch.nn.functional.cross_entropy:  # exact means
             out = reduce_loss(func, args, kwargs)
@@ -328,6 +332,7 @@ def _lift_trainable(args, kwargs):
 
 
 # -- autograd ---------------------------------------------------------------
+@fenced
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, mesh, layout, stride):
@@ -350,6 +355,7 @@ class _ToLocal(torch.autograd.Function):
         return ShardTensor._wrap(grad, ctx.mesh, ctx.sharding), None
 
 
+@fenced
 class _Redistribute(torch.autograd.Function):
     """``_Redistribute.apply(st, layout, cause="redistribute")``: differentiable; ``cause``
     labels the messages (its backward's: "redistribute backward")."""
@@ -553,6 +559,7 @@ def _broadcast_in_mesh(objects: list, src: int, mesh) -> None:
         dist.broadcast_object_list(objects, src=root, group=mesh.get_group(m))
 
 
+@fenced
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, src, mesh, layout):
@@ -642,6 +649,7 @@ def distribute(tensor: torch.Tensor, device_mesh, placements, sizes=None) -> Sha
     return _Distribute.apply(tensor, mesh, layout)
 
 
+@fenced
 class _Distribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, mesh, layout):

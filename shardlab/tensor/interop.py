@@ -21,10 +21,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
 from shardlab.layout import ShardLayout, moves
+from shardlab.tensor.recompute import fenced
 
 __all__ = ["prepare"]
 
 
+@fenced
 class _FromDTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt, layout):

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout
+from shardlab.tensor.recompute import fenced, kept
 
 
 def wants_local_matmul(x, w) -> bool:
@@ -43,6 +44,7 @@ def local_matmul(x, w):
     return _LocalMatmul.apply(x, w)
 
 
+@fenced
 class _LocalMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
@@ -60,7 +62,7 @@ class _LocalMatmul(torch.autograd.Function):
     def backward(ctx, dy):
         from shardlab.tensor.api import ShardTensor, _local_of
 
-        x, w = ctx.saved_tensors
+        x, w = kept(ctx)
         lay = x._layout
         dy_layout = ShardLayout(
             lay.global_shape[:-1] + (w.shape[1],), lay.mesh_shape, lay.placements, lay.sizes

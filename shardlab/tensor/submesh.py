@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab.layout import ShardLayout
+from shardlab.tensor.recompute import fenced
 
 __all__ = ["embed", "embed_layout", "hook_sub_mesh", "sub_mesh_dims"]
 
@@ -91,6 +92,7 @@ def embed(a, mesh):
     return _Embed.apply(a, mesh, embed_layout(_sub_layout(a), dims, mesh))
 
 
+@fenced
 class _Embed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, mesh, layout):

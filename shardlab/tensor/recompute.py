@@ -1,0 +1,101 @@
+"""Activation checkpointing meets messages: every rank recomputes at the same point.
+
+``torch.utils.checkpoint`` (non-reentrant) drops a block's saved tensors in forward and
+re-runs the block when backward first *unpacks* one of them, stopping as soon as the
+last of them is back (early stop). Both are rank-local facts: which autograd node
+unpacks first, which op saved last. A rank whose shard is smaller than a halo builds a
+slightly different graph than its neighbours (no overlapped convolution, an empty
+output), so a block that sends messages re-sends them at another point of its backward
+than its peers, and a message lands in the buffer of another one::
+
+    rank 0  backward: conv2 halo back | recompute: conv1 halo, conv2 halo | conv1 ...
+    rank 1  backward: recompute: conv1 halo, conv2 halo | conv2 halo back | conv1 ...
+                                 ^ rank 0's gradient rows arrive as rank 1's halo rows
+                                   (gloo: "Received data size doesn't match", every rank)
+
+The order of shardlab's autograd Functions that send messages is the same on every rank
+(every decision is taken from global layouts). :func:`fenced` ties the recomputation to
+them:
+
+1. forward, after the Function's messages: it saves one more (empty) tensor, so a
+   recomputation never stops early before a Function that sends (it runs every message
+   of the block on every rank);
+2. backward, before its first message: it unpacks what it saved, so a pending
+   recomputation of its block runs *now*, before the messages of its backward, on every
+   rank alike.
+
+Outside a checkpointed block both cost an empty tensor kept until backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["fenced", "kept"]
+
+
+def fenced(cls):
+    """Class decorator for a ``torch.autograd.Function`` that sends messages in its forward
+    or backward (steps 1 and 2 above). Its backward reads what its forward saved with
+    :func:`kept` (``ctx.saved_tensors`` may be unpacked only once under a checkpoint)."""
+    forward, backward = cls.forward, cls.backward
+
+    @functools.wraps(forward)
+    def forward_then_token(ctx, *args, **kwargs):
+        out = forward(ctx, *args, **kwargs)
+        ctx.save_for_backward(*(getattr(ctx, "to_save", None) or ()), torch.empty(0))  # 1.
+        return out
+
+    @functools.wraps(backward)
+    def unpack_then_backward(ctx, *grads):
+        ctx.shardlab_kept = ctx.saved_tensors[:-1]  # 2. a pending recomputation runs here
+        return backward(ctx, *grads)
+
+    cls.forward = staticmethod(forward_then_token)
+    cls.backward = staticmethod(unpack_then_backward)
+    return cls
+
+
+def kept(ctx) -> tuple:
+    """What the forward of a :func:`fenced` Function saved (without the fence's token)."""
+    return ctx.shardlab_kept
+
+
+def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """``torch.autograd.backward`` for ShardTensor roots, with ``__torch_function__`` left
+    on while the graph runs.
+
+    torch calls a subclass's ``Tensor.backward`` with ``__torch_function__`` off
+    (``_disabled_torch_function_impl``), and the engine keeps that state: a checkpointed
+    block recomputed during ``loss.backward()`` would then run without the lifting of
+    plain parameters next to ShardTensors that its forward had, and save other tensors.
+    Handing the engine the roots' gradient edges (not tensors) runs the same backward
+    with the state of the caller."""
+    from torch.autograd.graph import get_gradient_edge
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+        grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
+    edges, grads = [], []
+    for i, (t, g) in enumerate(zip(tensors, grad_tensors)):
+        if not t.requires_grad:
+            raise RuntimeError(
+                f"element {i} of tensors does not require grad and does not have a grad_fn"
+            )
+        if g is None:
+            if t.numel() != 1:
+                raise RuntimeError("grad can be implicitly created only for scalar outputs")
+            g = torch.ones_like(t)
+        edges.append(get_gradient_edge(t))
+        grads.append(g)
+    if inputs is not None:
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        inputs = [get_gradient_edge(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    torch.autograd.backward(edges, grads, retain_graph, create_graph, inputs=inputs)
+
+
+def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    """``Tensor.backward`` through :func:`backward`."""
+    backward(self, gradient, retain_graph, create_graph, inputs)

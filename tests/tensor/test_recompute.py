@@ -1,0 +1,276 @@
+"""Activation checkpointing around sharded ops: exact, and never a message matched to
+another one (``shardlab/tensor/recompute.py``).
+
+Random stacks of unchanged torch modules (halo convolutions, transposed convolutions,
+pooling, interpolation, norms with all-reduces, ring attention, neighborhood attention)
+on inputs cut with random uneven sizes (empty shards, shards smaller than the halo),
+worlds 2-4, each wrapped in ``torch.utils.checkpoint`` (reentrant, non-reentrant, nested,
+``checkpoint_sequential``, two checkpointed models in one step), against the same
+modules on one device without checkpointing: output and every gradient, float64.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.models import _zoo
+from tests.tensor._cases import random_sizes
+
+C = 3  # channels of the image stacks
+
+
+class _NA1d(nn.Module):
+    """Neighborhood attention over (B, L, E): heads of 2, window 3 (NATTEN's na1d)."""
+
+    def __init__(self, e):
+        super().__init__()
+        self.qkv = nn.Linear(e, 3 * e)
+
+    def forward(self, x):
+        from shardlab.ops.neighborhood import na1d
+
+        b, length, e = x.shape
+        q, k, v = self.qkv(x).view(b, length, 3, e // 2, 2).unbind(2)
+        return x + na1d(q, k, v, kernel_size=3).reshape(b, length, e)
+
+
+class _Causal(nn.Module):
+    """Causal self-attention through F.scaled_dot_product_attention (the ring)."""
+
+    def __init__(self, e):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(e, 3 * e), nn.Linear(e, e)
+
+    def forward(self, x):
+        b, s, e = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, e // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, e))
+
+
+IMAGE_OPS = {
+    "conv3": lambda: nn.Conv2d(C, C, 3, padding=1),
+    "conv5": lambda: nn.Conv2d(C, C, 5, padding=2),
+    "conv_s2": lambda: nn.Conv2d(C, C, 3, stride=2, padding=1),
+    "conv_reflect": lambda: nn.Conv2d(C, C, 3, padding=1, padding_mode="reflect"),
+    "convT": lambda: nn.ConvTranspose2d(C, C, 4, stride=2, padding=1),
+    "maxpool": lambda: nn.MaxPool2d(3, stride=1, padding=1),
+    "avgpool": lambda: nn.AvgPool2d(2, ceil_mode=True),
+    "up": lambda: nn.Upsample(scale_factor=2, mode="bilinear"),
+    "bn": lambda: nn.BatchNorm2d(C),
+    "gn": lambda: nn.GroupNorm(1, C),
+    "in": lambda: nn.InstanceNorm2d(C, affine=True),
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+}
+SEQ_OPS = {
+    "encoder": lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
+    "causal": lambda: _Causal(4),
+    "na": lambda: _NA1d(4),
+    "ln": lambda: nn.LayerNorm(4),
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+}
+MODES = ["reentrant", "non-reentrant", "nested", "sequential"]
+
+
+def _case(seed: int, world: int):
+    """A random stack, its input's length and uneven sizes, and a checkpoint mode."""
+    rng = random.Random(seed)
+    seq = rng.random() < 0.35
+    ops = SEQ_OPS if seq else IMAGE_OPS
+    names = [rng.choice([n for n in ops if n not in ("relu", "gelu", "ln")]) for _ in range(3)]
+    names.insert(rng.randint(0, 3), rng.choice(["relu", "gelu"]))
+    length = rng.randint(world, 3 * world + 4)
+    sizes = random_sizes(rng, length, world)
+    if rng.random() < 0.3:  # a shard smaller than any halo, and an empty one
+        sizes = [1, 0] + [length - 1] + [0] * (world - 3) if world >= 3 else [1, length - 1]
+    return seq, names, sizes, rng.choice(MODES), rng.random() < 0.5, rng.random() < 0.5
+
+
+def _build(seq, names, seed):
+    torch.manual_seed(seed)
+    ops = SEQ_OPS if seq else IMAGE_OPS
+    return nn.Sequential(*[ops[n]() for n in names]).double()
+
+
+def _run_checkpointed(model, x, mode, two):
+    """``model`` in checkpointed segments; ``two``: a second segment (the same modules
+    again, a residual around them) checkpointed apart, as two models in one step."""
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+    def once(x):
+        if mode == "reentrant":
+            return checkpoint(model, x, use_reentrant=True)
+        if mode == "non-reentrant":
+            return checkpoint(model, x, use_reentrant=False)
+        if mode == "sequential":
+            return checkpoint_sequential(model, 2, x, use_reentrant=False)
+        half = nn.Sequential(*list(model)[: len(model) // 2])  # nested: a block in a block
+        rest = nn.Sequential(*list(model)[len(model) // 2 :])
+
+        def outer(x):
+            return rest(checkpoint(half, x, use_reentrant=False))
+
+        return checkpoint(outer, x, use_reentrant=False)
+
+    y = once(x)
+    if two:
+        y = y.sum() + once(x).sum()
+    return y
+
+
+def _reference(model, g, two):
+    x = g.clone().requires_grad_()
+    y = model(x)
+    if two:
+        y = y.sum() + model(x).sum()
+    y.sum().backward() if y.ndim else y.backward()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _body(seed: int):
+    def body():
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        seq, names, sizes, mode, two, on_shards = _case(seed, mesh.size())
+        length = sum(sizes)
+        shape = (2, length, 4) if seq else (2, C, length, 5)
+        dim = 1 if seq else 2
+        g = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        model = _build(seq, names, seed)
+        model.train()
+        want_y, want_gx, want_gp = _reference(model, g, two)
+        model.zero_grad(set_to_none=True)
+        from torch.distributed.tensor import Shard
+
+        x = g.clone().requires_grad_()
+        with shardlab.patched():
+            y = _run_checkpointed(model, distribute(x, mesh, [Shard(dim)], [sizes]), mode, two)
+            got_y = y.full_tensor()
+            root = y if on_shards else got_y  # loss.backward() on a ShardTensor, or plain
+            (root.sum() if root.ndim else root).backward()
+        ok = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-11)  # noqa: E731
+        bad = [n for n, p in model.named_parameters() if not ok(p.grad, want_gp[n])]
+        return {
+            "case": (names, sizes, mode, two, on_shards),
+            "out": ok(got_y.detach(), want_y),
+            "input grad": ok(x.grad, want_gx),
+            "params": bad,
+        }
+
+    return body
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(12))
+def test_checkpointed_stacks_equal_one_device(ranks_for, world, seed):
+    for res in ranks_for(world).run(_body(1000 * world + seed)):
+        assert res["out"] and res["input grad"] and res["params"] == [], res
+
+
+def test_the_reported_case_conv_relu_conv_on_sizes_6_2_4_7(ranks_for):
+    """The issue's case: gloo aborted every rank ("384 vs 144") in backward."""
+
+    def body():
+        import shardlab
+        from shardlab import distribute, this_rank
+        from torch.distributed.tensor import Shard
+        from torch.utils.checkpoint import checkpoint
+
+        torch.manual_seed(0)
+        block = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 3, 5, padding=2)
+        ).double()
+        g = torch.randn(1, 3, 19, 5, dtype=torch.float64)
+        x = g.clone().requires_grad_()
+        block(x).sum().backward()
+        want = x.grad, block[0].weight.grad.clone()
+        block.zero_grad(set_to_none=True)
+        xs = g.clone().requires_grad_()
+        with shardlab.patched():
+            y = checkpoint(block, distribute(xs, this_rank().mesh, [Shard(2)], [[6, 2, 4, 7]]),
+                           use_reentrant=False)  # fmt: skip
+            y.full_tensor().sum().backward()
+        return torch.allclose(xs.grad, want[0]) and torch.allclose(block[0].weight.grad, want[1])
+
+    assert ranks_for(4).run(body) == [True] * 4
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", ["vit", "swin", "segformer", "mobilevit"])
+def test_transformers_gradient_checkpointing_enable_vision(ranks_for, name, reentrant):
+    """A library model's own switch (``gradient_checkpointing_enable``), image cut along H."""
+    pytest.importorskip("transformers")
+
+    def body():
+        import shardlab
+        from shardlab import distribute, this_rank
+        from torch.distributed.tensor import Shard
+
+        mesh = this_rank().mesh
+        model, kind = _zoo.vision(name)
+        model = model.double().train()
+        if not model.supports_gradient_checkpointing:
+            return "unsupported"
+        g = torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        b, _, h, w = _zoo.IMAGE
+        labels = torch.randint(0, 3, (b, h, w)) if kind == "seg" else torch.tensor([1] * b)
+        xr = g.clone().requires_grad_()
+        model(pixel_values=xr, labels=labels).loss.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        x = g.clone().requires_grad_()
+        sizes = _zoo.uneven(_zoo.IMAGE[2], mesh.size())
+        with shardlab.patched():
+            out = model(pixel_values=distribute(x, mesh, [Shard(2)], [sizes]), labels=labels)
+            out.loss.backward()
+        bad = [
+            n for n, v in want.items() if not torch.allclose(model.get_parameter(n).grad, v,
+                                                             rtol=1e-9, atol=1e-12)
+        ]  # fmt: skip
+        return torch.allclose(x.grad, xr.grad, rtol=1e-9, atol=1e-12) and bad == []
+
+    res = ranks_for(3).run(body)
+    if res[0] == "unsupported":
+        pytest.skip(f"{name} has no gradient checkpointing in transformers")
+    assert res == [True] * 3
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_transformers_gradient_checkpointing_enable_llama(ranks_for, reentrant):
+    """A decoder (RoPE, GQA, the ring) with its layers checkpointed, sequence cut."""
+    pytest.importorskip("transformers")
+
+    def body():
+        import shardlab
+        from shardlab import this_rank
+        from shardlab.lm import shard_batch
+
+        mesh = this_rank().mesh
+        model = _zoo.decoder("llama", num_hidden_layers=2).double().train()
+        ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(3))
+        ref = model(input_ids=ids)
+        ref.logits.sum().backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        with shardlab.patched():
+            batch = shard_batch(mesh, ids, causal=True)
+            out = model(**batch)
+            logits = out.logits.full_tensor()
+            logits.sum().backward()
+        bad = [
+            n for n, v in want.items() if not torch.allclose(model.get_parameter(n).grad, v,
+                                                             rtol=1e-9, atol=1e-12)
+        ]  # fmt: skip
+        return torch.allclose(logits, ref.logits, rtol=1e-9, atol=1e-12) and bad == []
+
+    assert ranks_for(3).run(body) == [True] * 3
