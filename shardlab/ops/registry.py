@@ -3,7 +3,8 @@
 Each op family (``conv.py``, ``pad.py`` …) registers its handlers with
 ``@register("conv2d")``; :mod:`shardlab.patch` routes a call to the handler
 when an argument is a ShardTensor. A handler has the signature of the torch
-function it replaces.
+function it replaces. A call follows torch's autocast policy
+(:mod:`shardlab.tensor.autocast`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def call(name: str, args, kwargs):
     """``F.<name>(*args, **kwargs)`` with ShardTensor (or plain DTensor) arguments:
     the arguments prepared (:func:`shardlab.tensor.interop.prepare`: DTensors adopted,
     Partial values reduced, strided dims made consecutive), then the handler."""
+    from shardlab.tensor.autocast import autocast_call
     from shardlab.tensor.interop import prepare
 
     handler = HANDLERS.get(name)
@@ -46,4 +48,23 @@ def call(name: str, args, kwargs):
             "Replicate() and call it on .full_tensor(), or disable the patches."
         )
     args, kwargs = prepare(args, kwargs, name, keep_strided=name in ROW_WISE)
-    return handler(*args, **kwargs)
+    return autocast_call(name, original(name), handler, args, kwargs, device_type(args, kwargs))
+
+
+def original(name: str) -> Callable:
+    """torch's own ``torch.nn.functional.<name>`` (also while it is patched)."""
+    import torch.nn.functional as F
+
+    from shardlab.patch import _ORIGINALS
+
+    return _ORIGINALS.get(name) or getattr(F, name)
+
+
+def device_type(args, kwargs) -> str:
+    """The device type of the mesh of the first distributed argument ("cpu", "cuda" …)."""
+    from torch.distributed.tensor import DTensor
+
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, DTensor):
+            return a.device_mesh.device_type
+    return "cpu"

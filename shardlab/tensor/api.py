@@ -260,7 +260,13 @@ class ShardTensor(DTensor):
             return run(*args, **kwargs)  # with __torch_function__ on (recomputation)
         args, kwargs = _lift_trainable(args, kwargs)
         if func in LOSSES or func is torch.nn.functional.cross_entropy:  # exact means
-            out = reduce_loss(func, args, kwargs)
+            from shardlab.ops.registry import device_type
+            from shardlab.tensor.autocast import autocast_call
+
+            def loss(*a, **k):
+                return reduce_loss(func, a, k)
+
+            out = autocast_call(func.__name__, func, loss, args, kwargs, device_type(args, kwargs))
             if out is not NotImplemented:
                 return out
         if func is torch.Tensor.unfold and isinstance(args[0], ShardTensor):  # halo windows
