@@ -159,3 +159,47 @@ def test_autocast_decisions_are_cached_and_bounded():
     autocast._CACHE.clear()
     autocast.autocast_call("conv2d", F.conv2d, handler, [x, w], {}, "cpu")
     assert calls[-1] == [torch.float32, torch.float32] and not autocast._CACHE
+
+
+def test_modules_under_autocast(ranks_for):
+    """Unchanged modules: multi-head attention (a composite: autocast op by op inside, as
+    torch), a transformer encoder layer, batch norm (its float32 running statistics)."""
+
+    def body():
+        import torch.nn as nn
+
+        import shardlab
+        from shardlab import distribute, this_rank
+        from torch.distributed.tensor import Shard
+
+        mesh = this_rank().mesh
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        bn, bn_ref = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+        x, mask, img = torch.randn(2, 7, 8), torch.randn(7, 7), torch.randn(2, 3, 7, 5)
+        cases = [
+            ("mha", lambda t: mha(t, t, t, attn_mask=mask)[0], x, 1, None),
+            ("mha weights", lambda t: mha(t, t, t)[1], x, 1, None),
+            ("encoder", enc, x, 1, None),
+            ("batch norm", bn, img, 2, bn_ref),
+        ]
+        out = {}
+        for name, f, g, dim, ref_module in cases:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ref = (ref_module or f)(g)
+                with shardlab.patched():
+                    got = f(distribute(g, mesh, [Shard(dim)], [[3, 4]]))
+            full = got.full_tensor() if hasattr(got, "full_tensor") else got
+            out[name] = (got.dtype == ref.dtype) and torch.allclose(
+                full.float(), ref.float(), atol=2e-2 * max(1.0, ref.float().abs().max().item())
+            )
+        out["running stats"] = (
+            bn.running_mean.dtype == torch.float32
+            and torch.allclose(bn.running_mean, bn_ref.running_mean, atol=1e-6)
+            and torch.allclose(bn.running_var, bn_ref.running_var, atol=1e-6)
+        )
+        return out
+
+    for res in ranks_for(2).run(body):
+        assert all(res.values()), res
