@@ -30,7 +30,9 @@ def _calls():
         "conv2d": (lambda x, t: F.conv2d(x, w2.to(t), b.to(t), padding=1), img, 2),
         "conv3d": (lambda x, t: F.conv3d(x, w2[..., None].to(t), None, padding=1), img + (2,), 2),
         "conv_transpose2d": (
-            lambda x, t: F.conv_transpose2d(x, w2.transpose(0, 1).to(t), stride=2), img, 2,
+            lambda x, t: F.conv_transpose2d(x, w2.transpose(0, 1).to(t), stride=2),
+            img,
+            2,
         ),
         "pad": (lambda x, t: F.pad(x, (1, 1, 1, 1), mode="reflect"), img, 2),
         "max_pool2d": (lambda x, t: F.max_pool2d(x, 3, 1, 1), img, 2),
@@ -44,7 +46,9 @@ def _calls():
         "dropout": (lambda x, t: F.dropout(x, 0.0), seq, 1),
         "cross_entropy": (lambda x, t: F.cross_entropy(x, _target(x)), (2, 4, H, 3), 2),
         "scaled_dot_product_attention": (
-            lambda x, t: F.scaled_dot_product_attention(x, x * 0.5, x, is_causal=True), q, 2,
+            lambda x, t: F.scaled_dot_product_attention(x, x * 0.5, x, is_causal=True),
+            q,
+            2,
         ),
         "linear (aten)": (lambda x, t: F.linear(x, w2[:, :, 0, 0].to(t)), seq[:2] + (3,), 1),
         "matmul (aten)": (lambda x, t: x @ w2[0, :, :, 0].to(t), seq[:2] + (3,), 1),
@@ -76,12 +80,13 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
 def _body(amp_dtype, in_dtype, param_dtype):
     def body():
+        import random
+
+        from torch.distributed.tensor import Shard
+
         import shardlab
         from shardlab import distribute, this_rank
-        from torch.distributed.tensor import Shard
         from tests.tensor._cases import random_sizes
-
-        import random
 
         mesh = this_rank().mesh
         rng = random.Random(7)
@@ -167,10 +172,10 @@ def test_modules_under_autocast(ranks_for):
 
     def body():
         import torch.nn as nn
+        from torch.distributed.tensor import Shard
 
         import shardlab
         from shardlab import distribute, this_rank
-        from torch.distributed.tensor import Shard
 
         mesh = this_rank().mesh
         torch.manual_seed(0)

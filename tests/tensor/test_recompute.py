@@ -179,10 +179,11 @@ def test_the_reported_case_conv_relu_conv_on_sizes_6_2_4_7(ranks_for):
     """The issue's case: gloo aborted every rank ("384 vs 144") in backward."""
 
     def body():
-        import shardlab
-        from shardlab import distribute, this_rank
         from torch.distributed.tensor import Shard
         from torch.utils.checkpoint import checkpoint
+
+        import shardlab
+        from shardlab import distribute, this_rank
 
         torch.manual_seed(0)
         block = nn.Sequential(
@@ -210,9 +211,10 @@ def test_transformers_gradient_checkpointing_enable_vision(ranks_for, name, reen
     pytest.importorskip("transformers")
 
     def body():
+        from torch.distributed.tensor import Shard
+
         import shardlab
         from shardlab import distribute, this_rank
-        from torch.distributed.tensor import Shard
 
         mesh = this_rank().mesh
         model, kind = _zoo.vision(name)
