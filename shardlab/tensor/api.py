@@ -105,6 +105,22 @@ class ShardTensor(DTensor):
         out._layout = layout
         return out
 
+    # -- torch.distributed.checkpoint: the real boxes (shardlab.tensor.checkpoint) ----
+    def __create_write_items__(self, fqn: str, object):
+        from shardlab.tensor import checkpoint
+
+        return checkpoint.create_write_items(self, fqn)
+
+    def __create_chunk_list__(self):
+        from shardlab.tensor import checkpoint
+
+        return checkpoint.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index):
+        from shardlab.tensor import checkpoint
+
+        return checkpoint.get_tensor_shard(self, index)
+
     # -- what it is --------------------------------------------------------
     @property
     def sharding(self) -> ShardLayout:
