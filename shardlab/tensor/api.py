@@ -328,9 +328,13 @@ def _lift_trainable(args, kwargs):
     holding the full gradient (summed over ranks), as on one device. DTensors on a
     sub-mesh (torch TP weights on ``mesh["tp"]``) are read on the whole mesh, and their
     gradients go back to the sub-mesh (:mod:`shardlab.tensor.submesh`)."""
-    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
-    leaves = tree_leaves((args, kwargs))
+    from shardlab.tensor.aten._common import tree_leaves as simple_leaves
+
+    leaves = simple_leaves((args, kwargs))  # lists, tuples, dicts: the common case, fast
+    if any(type(a) in SUPPORTED_NODES for a in leaves):
+        leaves = tree_leaves((args, kwargs))  # other containers pytree opens (ModelOutput …)
     shards = [a for a in leaves if isinstance(a, ShardTensor)]
     if not shards:  # the ShardTensor sits in a container pytree does not open
         return args, kwargs

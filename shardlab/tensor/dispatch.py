@@ -24,10 +24,11 @@ from __future__ import annotations
 import torch
 
 from shardlab import _compat
+from shardlab.tensor import decisions
 from shardlab.tensor.aten import HANDLERS, register
 from shardlab.tensor.aten import _common as c
 from shardlab.tensor.aten.fallback import replicate_and_run
-from shardlab.tensor.aten.pointwise import is_pointwise, pointwise
+from shardlab.tensor.aten.pointwise import is_pointwise, pointwise, replay
 
 __all__ = ["dispatch", "register"]
 
@@ -44,22 +45,57 @@ _NO_META = {
 
 
 def dispatch(func, args, kwargs):
+    key = decisions.signature(func, args, kwargs)
+    if key is not None:
+        decided = decisions.lookup(key)
+        if decided is not None:  # decided before for this signature: replay
+            return decided(func, args, kwargs)
     args, kwargs = c.adopt((args, kwargs))
     meta = None if func in _NO_META else c.meta_call(func, args, kwargs)  # torch's errors
-    out = _with_strides(_run(func, args, kwargs, meta), meta, (args, kwargs))
-    for i in c.written_args(func):  # a write into a view that had to be a copy
+    ran = []
+    raw = _run(func, args, kwargs, meta, ran)
+    out = _with_strides(raw, meta, (args, kwargs))
+    written = _written_args(func)
+    for i in written:  # a write into a view that had to be a copy
         if i < len(args) and isinstance(args[i], c.shard_tensor_cls()):
             c.written(args[i])
+    if key is not None and not written:
+        _remember(key, func, args, kwargs, raw, out, ran == [pointwise_rule])
     return out
 
 
-def _run(func, args, kwargs, meta):
+def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
+    """Keep the decision just taken, when it was a local call (see :mod:`.decisions`)."""
+    if not isinstance(out, c.shard_tensor_cls()) or getattr(out, "_writeback", None):
+        return
+    how = getattr(raw, "_decided", None)
+    if how is None and elementwise:
+        how = replay(func, args, kwargs, out)
+    if how is not None:
+        moves, mesh, target, cause = how
+        decisions.remember(
+            key, decisions.LocalCall(moves, mesh, target, out.stride(), out.dtype, cause)
+        )
+
+
+_WRITTEN: dict = {}
+
+
+def _written_args(func) -> list[int]:
+    hit = _WRITTEN.get(func)
+    if hit is None:
+        hit = _WRITTEN[func] = c.written_args(func)
+    return hit
+
+
+def _run(func, args, kwargs, meta, ran):
     handler = HANDLERS.get(func) or HANDLERS.get(func.overloadpacket)
     if handler is None and is_pointwise(func) and elementwise_shapes(args, kwargs, meta):
         handler = pointwise_rule
     if handler is not None:
         out = handler(func, args, kwargs)
         if out is not NotImplemented:
+            ran.append(handler)
             return out
     decomposed = _compat.decomposition(func)
     if decomposed is not None:

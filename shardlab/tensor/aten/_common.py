@@ -97,6 +97,31 @@ def wrap(t: torch.Tensor, mesh, layout: ShardLayout):
     return shard_tensor_cls()._wrap(t, mesh, layout)
 
 
+def local_call(func, args, kwargs, mesh, layout: ShardLayout, moves=None, cause=""):
+    """The op on the local blocks, wrapped in ``layout``: for rules whose result is exactly
+    ``func(*blocks)`` once the ShardTensor arguments moved to ``moves`` (one entry per
+    positional, then keyword, argument: a layout, or None to keep it as it is). The result
+    carries how it was made, so :mod:`shardlab.tensor.dispatch` can keep the decision for
+    the signature (:mod:`shardlab.tensor.decisions`)."""
+    st = shard_tensor_cls()
+    values = (*args, *kwargs.values())
+    moves = [None] * len(values) if moves is None else list(moves)
+
+    def block(a, mv):
+        if isinstance(a, st):
+            return (a if mv is None else move(a, mv, cause))._local_tensor
+        return a
+
+    n = len(args)
+    out = wrap(
+        func(*[block(a, moves[i]) for i, a in enumerate(args)],
+             **{k: block(v, moves[n + j]) for j, (k, v) in enumerate(kwargs.items())}),
+        mesh, layout,
+    )  # fmt: skip
+    out._decided = (moves, mesh, layout, cause)
+    return out
+
+
 def replicate_layout(shape, mesh) -> ShardLayout:
     return ShardLayout.build(tuple(shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
 

@@ -33,5 +33,8 @@ def _mm(func, args, kwargs):
         options, key=lambda o: move_cost(a._layout, o[0]) + move_cost(b._layout, o[1])
     )
     cause = f"{c.op_name(func)}.align"
-    a, b = c.move(a, ta, cause), c.move(b, tb, cause)
-    return c.wrap(func(a._local_tensor, b._local_tensor), mesh, out)
+    if not all(isinstance(t, st) for t in args[:2]) or kwargs:
+        a, b = c.move(a, ta, cause), c.move(b, tb, cause)
+        return c.wrap(func(a._local_tensor, b._local_tensor), mesh, out)
+    moves = [None if ta == a._layout else ta, None if tb == b._layout else tb]
+    return c.local_call(func, (a, b), {}, mesh, out, moves, cause)

@@ -126,6 +126,32 @@ def pointwise(func, args, kwargs, meta_out=None):
     return _wrap_all(result, mesh, target)
 
 
+def replay(func, args, kwargs, out):
+    """For :mod:`shardlab.tensor.decisions`: ``(moves, mesh, target, cause)`` that replay
+    this call (``out`` its result): what each argument became before the local call, or
+    None when the call cannot be replayed that way (in place, ``*_like``, several results,
+    tensors inside lists)."""
+    st = c.shard_tensor_cls()
+    if c.is_inplace(func) or func.overloadpacket in _LIKE or type(out) is not st:
+        return None
+    mesh, target = out.device_mesh, out._layout
+    nm = mesh.ndim
+    moves = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a):
+            return None
+        if isinstance(a, st):
+            part = [isinstance(p, Partial) for p in a._layout.placements]
+            need = restrict(target, a.shape, part)
+            moves.append(None if need == a._layout else need)
+        elif isinstance(a, torch.Tensor) and a.ndim > 0:
+            need = restrict(target, a.shape, [False] * nm)
+            moves.append(None if need == c.replicate_layout(a.shape, mesh) else need)
+        else:
+            moves.append(None)
+    return moves, mesh, target, f"{c.op_name(func)}.align"
+
+
 def _cost(target, shards, nm) -> int:
     total = 0
     for s in shards:

@@ -138,10 +138,8 @@ def _permute(func, args, kwargs):
         if n >= 2 or func is not aten.t.default:
             d0, d1 = d0 % max(n, 1), d1 % max(n, 1)
             perm[d0], perm[d1] = perm[d1], perm[d0]
-    y = x._local_tensor.permute(perm)
-    if func.overloadpacket in (aten.permute_copy, aten.transpose_copy):
-        y = y.clone()
-    return c.wrap(y, x.device_mesh, permute_layout(x._layout, perm))
+    # the local op with the same arguments permutes the block the same way
+    return c.local_call(func, args, kwargs, x.device_mesh, permute_layout(x._layout, perm))
 
 
 def _bounds(n: int, start, end, step) -> tuple[int, int, int]:

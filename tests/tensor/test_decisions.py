@@ -1,0 +1,142 @@
+"""The decision cache (``shardlab/tensor/decisions.py``): a replayed decision gives what
+the full path gives (values, layouts, strides, messages), every part of the signature
+is in the key, and the table is bounded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+OPS = [
+    lambda a, b: a + b,
+    lambda a, b: a * b - 1.5,
+    lambda a, b: torch.where(a > 0, a, b),
+    lambda a, b: torch.nn.functional.gelu(a) / (b.abs() + 1),
+    lambda a, b: a.clamp(-0.5, 0.5) + b.exp(),
+    lambda a, b: (a + 2).to(torch.float64) * b.double(),
+    lambda a, b: a.sigmoid() * b[..., :1],  # broadcasting a plain-shaped slice
+    lambda a, b: a.transpose(0, 2).permute(2, 1, 0) + b.transpose(0, 1).transpose(0, 1),
+    lambda a, b: a @ b.transpose(-1, -2),  # bmm: its operands move first
+    lambda a, b: (a.flatten(0, 1) @ b[0].T.contiguous()).t(),  # mm
+]
+
+
+def _body(seed):
+    def body():
+        import shardlab
+        from shardlab import distribute, this_rank
+        from shardlab.tensor import decisions
+        from tests.tensor._cases import random_sizes
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        mesh = this_rank().mesh
+        rng = random.Random(seed)
+        bad = []
+        for i, op in enumerate(OPS):
+            shape = (rng.randint(1, 5), rng.randint(0, 7), rng.randint(1, 4))
+            g = torch.Generator().manual_seed(seed * 100 + i)
+            x, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+            want = op(x, y)
+            places = rng.choice([[Shard(1)], [Shard(0)], [Replicate()], [Partial()]])
+            dx = places[0].dim if isinstance(places[0], Shard) else None
+            sx = None if dx is None else [random_sizes(rng, shape[dx], mesh.size())]
+            a = distribute(x, mesh, places, sx)
+            b = distribute(y, mesh, [Shard(1)], [random_sizes(rng, shape[1], mesh.size())])
+            if rng.random() < 0.5:
+                b = y  # a plain tensor next to a ShardTensor
+            results = []
+            for _ in range(3):  # a miss, then hits
+                with shardlab.trace() as t:
+                    out = op(a, b)
+                results.append((out, t.counts(), t.bytes(kind="send")))
+            for out, counts, sent in results:
+                full = out.full_tensor()
+                if not (torch.allclose(full, want, atol=1e-6) and full.dtype == want.dtype):
+                    bad.append((i, "values"))
+                if out.stride() != results[0][0].stride() or out.sharding != results[0][0].sharding:
+                    bad.append((i, "layout"))
+                if (counts, sent) != results[0][1:]:
+                    bad.append((i, "messages", counts, results[0][1]))
+        return bad, len(decisions._TABLE) > 0
+
+    return body
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_replayed_decisions_equal_the_full_path_and_torch(ranks_for, world, seed):
+    for bad, cached in ranks_for(world).run(_body(world * 10 + seed)):
+        assert bad == [] and cached
+
+
+def test_every_part_of_the_signature_is_in_the_key(ranks_for):
+    """Changing one part of a call (a size, a dtype, a placement, strides, a scalar's
+    type, requires_grad, the mesh) misses; repeating it hits and adds nothing."""
+
+    def body():
+        from shardlab import distribute, this_rank
+        from shardlab.tensor import decisions
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh = this_rank().mesh
+        other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
+        g = torch.randn(2, 6, 4)
+        base = distribute(g, mesh, [Shard(1)], [[4, 2]])
+        variants = {
+            "sizes": distribute(g, mesh, [Shard(1)], [[3, 3]]),
+            "shape": distribute(g[:, :5], mesh, [Shard(1)], [[3, 2]]),
+            "dtype": distribute(g.double(), mesh, [Shard(1)], [[4, 2]]),
+            "placement": distribute(g, mesh, [Replicate()]),
+            "strides": distribute(g.transpose(0, 2).contiguous(), mesh, [Shard(1)],
+                                  [[4, 2]]).transpose(0, 2),  # fmt: skip
+            "requires_grad": distribute(g, mesh, [Shard(1)], [[4, 2]]).requires_grad_(),
+            "mesh": distribute(g, other, [Shard(1)], [[4, 2]]),
+        }
+        decisions.clear()
+        torch.ops.aten.mul.Tensor(base, 2)
+        n0 = len(decisions._TABLE)
+        torch.ops.aten.mul.Tensor(base, 2)
+        seen = {"repeat adds nothing": len(decisions._TABLE) == n0 == 1}
+        for name, v in variants.items():
+            before = len(decisions._TABLE)
+            out = torch.ops.aten.mul.Tensor(v, 2)
+            seen[name] = len(decisions._TABLE) == before + 1 and torch.equal(
+                out.full_tensor(), v.full_tensor() * 2
+            )
+        before = len(decisions._TABLE)
+        out = torch.ops.aten.mul.Tensor(base, 2.0)  # a float scalar: float result rules
+        seen["scalar type"] = len(decisions._TABLE) == before + 1
+        out = torch.ops.aten.mul.Tensor(base, True)
+        seen["bool scalar"] = len(decisions._TABLE) == before + 2 and out.dtype == torch.float32
+        return seen
+
+    for seen in ranks_for(2).run(body):
+        assert all(seen.values()), seen
+
+
+def test_the_table_is_bounded_and_does_not_grow_in_a_loop(ranks_for):
+    def body():
+        from shardlab import distribute, this_rank
+        from shardlab.tensor import decisions
+        from torch.distributed.tensor import Shard
+
+        mesh = this_rank().mesh
+        decisions.clear()
+        a = distribute(torch.randn(3, 8), mesh, [Shard(1)], [[5, 3]])
+        for _ in range(200):  # a training loop: the same signatures again and again
+            a = (a * 0.5 + 1).relu()
+        steady = len(decisions._TABLE)
+        old, decisions.SIZE = decisions.SIZE, 16
+        try:
+            for n in range(40):  # new shapes every time: the oldest go
+                torch.ops.aten.add.Tensor(distribute(torch.randn(n + 1), mesh, [Shard(0)]), 1)
+            bounded = len(decisions._TABLE) <= 16
+        finally:
+            decisions.SIZE = old
+        return steady, bounded
+
+    for steady, bounded in ranks_for(2).run(body):
+        assert steady <= 6 and bounded
