@@ -10,12 +10,13 @@ the user's arguments, so they apply the policy here, as one device would::
         F.conv2d(x, w)          # one device: x, w cast to bfloat16, a bfloat16 result
         F.cross_entropy(z, t)   # one device: z cast to float32, a float32 result
 
-1. ask torch what the call does under the active autocast: the *original* function on
-   fake tensors of the global shapes and dtypes (no data, no messages), with autocast and
-   without; cached per signature (a few hundred microseconds the first time);
-2. where autocast changes the result's dtype, every floating-point tensor argument is
-   cast to it (torch's rule for its lower-precision and float32 lists); otherwise the
-   arguments stay as they are (batch norm's float32 running statistics too);
+1. ask torch what autocast does to the call's arguments: the *original* function on
+   fake tensors of the global shapes and dtypes (no data, no messages) under the active
+   autocast, a dispatch mode below autocast watching which arguments it casts to what;
+   cached per signature (a few hundred microseconds the first time);
+2. exactly those arguments are cast (torch's lower-precision and float32 lists cast
+   every floating-point argument; ops on neither list none: batch norm's float32 running
+   statistics stay);
 3. shardlab's implementation runs with autocast off, so its local ops compute in exactly
    those dtypes (gradients flow back through the casts, as on one device).
 
@@ -40,59 +41,70 @@ def autocast_call(name: str, original, handler, args, kwargs, device_type: str):
     the caller's autocast state of ``device_type`` (steps 1-3 above)."""
     if not torch.is_autocast_enabled(device_type) or name in COMPOSITE:
         return handler(*args, **kwargs)
-    target = _target_dtype(name, original, args, kwargs, device_type)
-    if target is not None:
-        args = [_cast(a, target) for a in args]
-        kwargs = {k: _cast(v, target) for k, v in kwargs.items()}
+    casts = _casts(name, original, args, kwargs, device_type)
+    if casts:
+        n = len(args)
+        args = [_cast(a, casts.get(i)) for i, a in enumerate(args)]
+        kwargs = {k: _cast(v, casts.get(n + j)) for j, (k, v) in enumerate(kwargs.items())}
     with torch.autocast(device_type, enabled=False):
         return handler(*args, **kwargs)
 
 
 def _cast(a, dtype):
-    if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype:
-        return a.to(dtype)
-    return a
+    return a if dtype is None else a.to(dtype)
 
 
-def _target_dtype(name, original, args, kwargs, device_type):
-    """The dtype autocast makes the call's result, or None when it changes nothing."""
+def _casts(name, original, args, kwargs, device_type) -> dict:
+    """{argument position: dtype}: the arguments autocast casts in this call (cached)."""
     dtype = torch.get_autocast_dtype(device_type)
     key = _key(name, args, kwargs, device_type, dtype)
     hit = _CACHE.get(key, _MISSING) if key is not None else _MISSING
     if hit is not _MISSING:
         return hit
-    on = _probe(original, args, kwargs, device_type, autocast=True)
-    off = _probe(original, args, kwargs, device_type, autocast=False)
-    target = on if on is not None and on != off else None
+    casts = _probe(original, args, kwargs, device_type)
     if key is not None:
         if len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]
-        _CACHE[key] = target
-    return target
+        _CACHE[key] = casts
+    return casts
 
 
-def _probe(original, args, kwargs, device_type, autocast: bool):
-    """The dtype of the first floating-point result of ``original`` on fake tensors of the
-    arguments' global shapes (None: it raises, or returns no floating-point tensor)."""
+def _probe(original, args, kwargs, device_type) -> dict:
+    """Run ``original`` on fake tensors of the arguments' global shapes under the active
+    autocast and watch which of them autocast casts (its ``_to_copy`` of an argument, seen
+    below autocast by a dispatch mode). Torch refusing the arguments: no casts (the real
+    call says why)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def fake(a):
-        if isinstance(a, torch.Tensor):
-            return torch.empty(tuple(a.shape), dtype=a.dtype, device=device_type)
-        if isinstance(a, (list, tuple)):
-            return type(a)(fake(x) for x in a)
-        return a
+    positions: dict = {}  # id(fake argument) -> position
+    casts: dict = {}
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            kw = kw or {}
+            if func is torch.ops.aten._to_copy.default and id(a[0]) in positions:
+                to = kw.get("dtype")
+                if to is not None and to != a[0].dtype:
+                    casts.setdefault(positions[id(a[0])], to)
+            return func(*a, **kw)
 
     try:
         with FakeTensorMode(), torch.no_grad():
-            with torch.autocast(device_type, enabled=autocast):
-                out = original(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+            values = []
+            for i, a in enumerate((*args, *kwargs.values())):
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    a = torch.empty(tuple(a.shape), dtype=a.dtype, device=device_type)
+                    positions[id(a)] = i
+                elif isinstance(a, torch.Tensor):
+                    a = torch.empty(tuple(a.shape), dtype=a.dtype, device=device_type)
+                values.append(a)
+            n = len(args)
+            with Watch():
+                original(*values[:n], **dict(zip(kwargs, values[n:])))
     except Exception:
-        return None  # torch refuses these arguments: the real call will say so
-    for t in out if isinstance(out, (list, tuple)) else (out,):
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return t.dtype
-    return None
+        return {}
+    return casts
 
 
 def _key(name, args, kwargs, device_type, dtype):
