@@ -327,7 +327,7 @@ def _head_tail_not_causal():
     shard_batch(this_rank().mesh, ids, head_tail=True, causal=False)
 
 
-def _dropout():
+def _dropout():  # attention dropout works (tests/ops/test_attention_dropout.py); p > 1 not
     import shardlab
     from shardlab import this_rank
     from shardlab.lm import shard_batch
@@ -335,7 +335,7 @@ def _dropout():
     model = _zoo.decoder("llama")
     for m in model.modules():  # the attention modules read it at construction
         if hasattr(m, "attention_dropout"):
-            m.attention_dropout = 0.1
+            m.attention_dropout = 1.5
     model.train()
     ids = torch.zeros(2, 9, dtype=torch.long)
     with shardlab.patched():
@@ -349,7 +349,7 @@ def _dropout():
         (_mismatched, "ValueError", "labels of shape (2, 8)"),
         (_presharded, "TypeError", "attention_mask must be a plain (B, S) tensor"),
         (_head_tail_not_causal, "ValueError", "head_tail=True permutes the tokens"),
-        (_dropout, "NotImplementedError", "dropout_p=0.1 is not supported"),
+        (_dropout, "RuntimeError", "dropout probability has to be between 0 and 1"),
     ],
 )
 def test_bad_input_is_the_same_error_on_every_rank(ranks_for, fn, kind, words):

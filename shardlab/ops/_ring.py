@@ -32,22 +32,34 @@ Messages per rank (blocks of size 0 are never sent):
 An additive ``attn_mask`` that requires grad (a learned bias: BEiT's relative positions)
 gets its gradient on the rank that holds its query rows: dMask = dS, the score gradient
 before the scale, block j's columns at the step that computes block j (no message).
+
+Attention dropout (``plan.drop``, ``_attn_dropout.py``): every visible block runs in the
+explicit path, masking P in the P @ V product only (z and the logsumexp see every key),
+the same mask again in backward; the messages are exactly those without dropout. The
+per-block math is in ``_ring_blocks.py``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from shardlab.ops import _ring_kernels as kernels
+from shardlab.ops._attn_dropout import AttnDropout
+from shardlab.ops._ring_blocks import (
+    NEG_INF,
+    block_attention,
+    block_grads,
+    compute_dtype,
+    heads,
+    merge,
+    once,
+)
 from shardlab.tensor.comm import post
 from shardlab.tensor.recompute import fenced, kept
 from shardlab.trace import label
-
-NEG_INF = -math.inf
 
 
 @dataclass
@@ -60,6 +72,7 @@ class RingPlan:
     ``mask``: additive or boolean, already cut to the local query rows and
     broadcastable to (*, H_q, S_local_q, S_kv) (columns: the global K/V rows).
     ``kernel``: what an unmasked block runs in (:func:`_ring_kernels.choose`).
+    ``drop``: attention dropout (``_attn_dropout.py``): every block runs explicitly.
     """
 
     peers: list[int]  # global rank of ring position k (from mesh coordinates)
@@ -73,6 +86,7 @@ class RingPlan:
     scale: float
     rep: int  # GQA: query heads per K/V head
     kernel: str = "explicit"
+    drop: AttnDropout | None = None
 
     @property
     def n(self) -> int:
@@ -103,9 +117,9 @@ class RingPlan:
         """How block j runs in a fused kernel (no score matrix in memory): a list of
         (query rows, key rows, is_causal) pieces, one per pair of contiguous position
         runs that sees anything (head-tail balancing gives two runs each); or None:
-        explicit masked scores (a mask, no fused kernel for this device, dtype or head
-        dim, or a run pair that is neither all visible nor the same positions)."""
-        if self.kernel not in kernels.FUSED:
+        explicit masked scores (a mask, dropout, no fused kernel for this device, dtype or
+        head dim, or a run pair that is neither all visible nor the same positions)."""
+        if self.kernel not in kernels.FUSED or self.drop is not None:
             return None
         m = self.block_mask(j)  # a boolean mask showing every key of block j: no mask
         if m is not None and (m.dtype != torch.bool or not bool(m.all())):
@@ -154,31 +168,6 @@ def _runs(pos: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
     return [(slice(a, b), pos[a:b]) for a, b in zip(breaks, breaks[1:]) if b > a]
 
 
-def _merge(o, lse, o_new, lse_new):
-    """Two normalised partial attentions of the same rows, merged by their logsumexps:
-    o = (e^lse o + e^lse_new o_new) / (e^lse + e^lse_new); rows seeing no key stay 0.
-    ``o is None``: nothing yet, the new one is the result."""
-    if o is None:
-        return o_new, lse_new
-    new = torch.logaddexp(lse, lse_new)
-    safe = new.masked_fill(new == NEG_INF, 0.0)
-    return o * (lse - safe).exp()[..., None] + o_new * (lse_new - safe).exp()[..., None], new
-
-
-def _compute_dtype(dtype):
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _heads(x: torch.Tensor, rep: int) -> torch.Tensor:
-    """GQA: K/V heads repeated for their query heads (as torch does)."""
-    return x if rep == 1 else x.repeat_interleave(rep, dim=-3)
-
-
-def _fold(g: torch.Tensor, rep: int) -> torch.Tensor:
-    """Gradient of :func:`_heads`: sum over the query heads sharing a K/V head."""
-    return g if rep == 1 else g.unflatten(-3, (g.shape[-3] // rep, rep)).sum(-3)
-
-
 def _post(plan: RingPlan, send: list, recv_shapes: list, like: torch.Tensor, cause: str):
     """Post sends of ``send`` to the next rank and receives (new buffers) from the
     previous one; return (buffers, works). Nothing is posted for empty tensors."""
@@ -210,50 +199,10 @@ def _with_rows(x: torch.Tensor, rows: int) -> list[int]:
     return [*x.shape[:-2], rows, x.shape[-1]]
 
 
-def _once(make):
-    """``make()``, called on first use only (the explicit path's float32 copies of
-    half-precision tensors exist only when a block needs them)."""
-    made = []
-
-    def get():
-        if not made:
-            made.append(make())
-        return made[0]
-
-    return get
-
-
-def _block_attention(qi, kj, vj, plan: RingPlan, j: int, how, ct, rng):
-    """Block j's normalised output (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q), in
-    the compute dtype ``ct``. ``qi``, ``kj``, ``vj``: in the kernel's input dtype."""
-    kind, pieces = how
-    if pieces is not None:  # a fused kernel: no (S_q x S_kv_j) scores in memory
-        o = lse = None
-        for qs, ks, causal in pieces:
-            part = [x[..., r, :] for x, r in ((qi, qs), (kj, ks), (vj, ks))]
-            o_p, lse_p = kernels.forward(kind, *part, causal, plan.scale, rng)
-            o_p, lse_p = o_p.to(ct), lse_p.to(ct)
-            if len(pieces) == 1 and qs == slice(0, qi.shape[-2]):
-                return o_p, lse_p  # one piece, every row: nothing to merge
-            if o is None:
-                o = o_p.new_zeros((*qi.shape[:-1], vj.shape[-1]))  # (*, H_q, S_q, D_v)
-                lse = lse_p.new_full(qi.shape[:-1], NEG_INF)  # (*, H_q, S_q)
-            o[..., qs, :], lse[..., qs] = _merge(o[..., qs, :], lse[..., qs], o_p, lse_p)
-        return o, lse
-    qc, kc, vc = qi.to(ct), kj.to(ct), vj.to(ct)
-    s = plan.scores(qc, kc, j)  # (*, H_q, S_q, S_kv_j), masked
-    m = s.amax(-1)
-    m_safe = m.masked_fill(m == NEG_INF, 0.0)  # rows that see no key of block j
-    p = s.sub_(m_safe[..., None]).exp_()  # in place
-    z = p.sum(-1)
-    o = (p @ vc) / z.masked_fill(z == 0, 1.0)[..., None]
-    return o, m_safe + torch.log(z)  # lse -inf where no key is seen
-
-
 def ring_forward(q, k, v, plan: RingPlan, rng: dict):
     """Returns out (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q). ``rng``: what the
     CUDA kernels hand from forward to backward (filled here)."""
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     it = kernels.input_dtype(plan.kernel, q.dtype)
     qi = q.to(it)  # (*, H_q, S_q, D)
     o = lse = None  # merged output (*, H_q, S_q, D_v) and logsumexp (*, H_q, S_q), in ct
@@ -266,8 +215,8 @@ def ring_forward(q, k, v, plan: RingPlan, rng: dict):
         # 2. compute on the current block while the next one travels, and merge:
         #    o = (e^lse o + e^lse_j o_j) / (e^lse + e^lse_j), lse = log(e^lse + e^lse_j)
         if how[0] != "skipped":
-            kj, vj = _heads(kv[0].to(it), plan.rep), _heads(kv[1].to(it), plan.rep)
-            o, lse = _merge(o, lse, *_block_attention(qi, kj, vj, plan, j, how, ct, rng))
+            kj, vj = heads(kv[0].to(it), plan.rep), heads(kv[1].to(it), plan.rep)
+            o, lse = merge(o, lse, *block_attention(qi, kj, vj, plan, j, how, ct, rng))
         # 3. wait for the next block
         if t < plan.n - 1:
             _wait(works)
@@ -278,49 +227,10 @@ def ring_forward(q, k, v, plan: RingPlan, rng: dict):
     return o.to(q.dtype), lse
 
 
-def _block_grads(ins, kj, vj, lse, plan: RingPlan, j: int, how, ct, rng):
-    """Block j's (dq part, dk_j, dv_j, dS_j) in ``ct``; ``ins``: (q, dout, out) in the
-    kernel's input dtype and, made when an explicit block needs them, in ``ct`` with
-    delta. dS_j (*, H_q, S_q, S_kv_j): the scores' gradient before the scale (an
-    additive mask's), None from a fused kernel (it runs only on blocks without one)."""
-    kind, pieces = how
-    qi, dout, out = ins["q"], ins["dout"], ins["out"]
-    kr, vr = _heads(kj.to(qi.dtype), plan.rep), _heads(vj.to(qi.dtype), plan.rep)
-    if pieces is not None:  # the fused kernel, with the *final* out and lse of the rows
-        dq = dk = dv = None
-        for qs, ks, causal in pieces:
-            rows = [x[..., qs, :] for x in (dout, qi)]
-            cols = [x[..., ks, :] for x in (kr, vr)]
-            o_rows, lse_rows = out[..., qs, :], lse[..., qs]
-            g = kernels.backward(kind, *rows, *cols, o_rows, lse_rows, causal, plan.scale, rng)
-            dq = _add_rows(dq, qs, g[0], qi.shape, ct)
-            dk = _add_rows(dk, ks, g[1], kr.shape, ct)
-            dv = _add_rows(dv, ks, g[2], vr.shape, ct)
-        return dq, _fold(dk, plan.rep), _fold(dv, plan.rep), None
-    qc, dc, delta, lse_safe = ins["explicit"]()
-    kr, vr = kr.to(ct), vr.to(ct)
-    p = plan.scores(qc, kr, j).sub_(lse_safe[..., None]).exp_()  # exact softmax (final lse)
-    dv = p.transpose(-2, -1) @ dc  # (*, H_q, S_kv_j, D_v)
-    ds = (dc @ vr.transpose(-2, -1)).sub_(delta[..., None]).mul_(p)  # dS, before the scale
-    dq, dk = (ds @ kr).mul_(plan.scale), (ds.transpose(-2, -1) @ qc).mul_(plan.scale)
-    return dq, _fold(dk, plan.rep), _fold(dv, plan.rep), ds
-
-
-def _add_rows(acc, rows: slice, g, shape, ct):
-    """``acc[..., rows, :] += g``, ``acc`` of ``shape`` in ``ct`` made on first use (a
-    gradient of every row is taken as it is: no zeros to add it to)."""
-    if acc is None:
-        if rows == slice(0, shape[-2]):
-            return g.to(ct)
-        acc = g.new_zeros(shape, dtype=ct)
-    acc[..., rows, :] += g
-    return acc
-
-
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict, mask_grad: bool = False):
     """dq (local), dk, dv (of this rank's own K/V block, after their trip round the ring),
     and, with ``mask_grad``, the gradient of ``plan.mask`` (its shape; else None)."""
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     it = kernels.input_dtype(plan.kernel, q.dtype)
     ins = {"q": q.to(it), "dout": dout.to(it), "out": out.to(it)}
 
@@ -328,7 +238,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict, mask_grad:
         qc, dc, oc = q.to(ct), dout.to(ct), out.to(ct)
         return qc, dc, (dc * oc).sum(-1), lse.masked_fill(lse == NEG_INF, 0.0)
 
-    ins["explicit"] = _once(explicit)
+    ins["explicit"] = once(explicit)
     dq = None
     dmask = torch.zeros(plan.mask.shape, dtype=ct, device=q.device) if mask_grad else None
     kv, acc, acc_works, own = [k, v], None, [], None
@@ -339,7 +249,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, rng: dict, mask_grad:
         nxt, kv_works = _post_next_kv(plan, kv, j, t, f"sdpa.ring backward [{how[0]}]")
         # 2. this rank's contribution to block j's gradients (dQ stays here)
         if how[0] != "skipped":
-            dq_j, dk_j, dv_j, ds_j = _block_grads(ins, kv[0], kv[1], lse, plan, j, how, ct, rng)
+            dq_j, dk_j, dv_j, ds_j = block_grads(ins, kv[0], kv[1], lse, plan, j, how, ct, rng)
             dq = dq_j if dq is None else dq.add_(dq_j)
             if dmask is not None:  # the mask's columns of block j (its one, if broadcast)
                 cols = dmask

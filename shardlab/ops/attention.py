@@ -26,7 +26,16 @@ ring carries the one head); boolean or additive ``attn_mask``, also a learned on
 requires grad (BEiT's relative position bias: its gradient is computed with the
 blocks, no message; a plain mask's is summed over the ranks by one all-reduce in
 backward, as any replicated parameter's); ``scale``; ``enable_gqa``.
-``dropout_p > 0`` raises.
+
+``dropout_p > 0`` (training): element (batch, head, query, key) of the probabilities is
+kept by a counter-based draw indexed by its GLOBAL indices and TRUE positions, so the
+result is the same for every world size, shard sizes and head-tail storage (after the
+same ``torch.manual_seed`` on every rank: the seed is one ``torch.randint`` draw per
+call); the messages are those without dropout; backward uses the same mask. Not torch's
+own mask bit for bit (equal in distribution). Cost: every block runs in the explicit
+path (scores of S_q_local x S_kv_block per ring step, no fused kernel) plus a boolean
+mask of that size. With dropout, batch/heads cut without the sequence also run here
+(the global mask, not each rank's RNG). See ``_attn_dropout.py``.
 
 Causal load balancing (head-tail). With ``is_causal`` and contiguous blocks, rank
 0 only sees K/V block 0 while rank N-1 sees all N. Cut the sequence in 2N chunks
@@ -66,6 +75,8 @@ from shardlab.ops._attn_args import (
     whole_where_query_is,
     why,
 )
+from shardlab.ops._attn_dropout import AttnDropout, check_p, lead_index
+from shardlab.ops._counter import draw_seed
 from shardlab.ops._ring import RingAttention, RingPlan
 from shardlab.ops.halo import peers_along
 from shardlab.ops.registry import register
@@ -153,19 +164,26 @@ def scaled_dot_product_attention(
     enable_gqa=False,
 ):
     """``F.scaled_dot_product_attention`` with a sequence-sharded ShardTensor ``query``."""
+    if dropout_p:  # torch's check, words and type; every rank, before any message
+        check_p(dropout_p)
+    seed = draw_seed() if dropout_p else None  # dropout_p = 0: no random number drawn
+    return attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
+
+
+def attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+    """The handler's work, with the dropout mask's ``seed`` given (multi-head attention
+    draws it once for the output and the weights it returns)."""
     from shardlab.tensor import ShardTensor
     from shardlab.tensor.comm import my_coord
 
-    if not sequence_cut(query, key, value):  # batch/heads cut only: no ring needed
+    ours = sequence_cut(query, key, value) or (
+        dropout_p and any(isinstance(t, ShardTensor) for t in (query, key, value))
+    )  # with dropout also batch/heads cut only: the global mask, not each rank's own RNG
+    if not ours:  # batch/heads cut only: no ring needed
         return torch._C._nn.scaled_dot_product_attention(  # torch's own, on the blocks
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
     # 1. arguments, as torch checks them
-    if dropout_p:
-        raise NotImplementedError(
-            f"sharded scaled_dot_product_attention: dropout_p={dropout_p} is not supported "
-            "(no reproducible sharded RNG yet); pass dropout_p=0.0 (e.g. model.eval())"
-        )
     if is_causal and attn_mask is not None:  # torch's documented rule, its words and type
         raise RuntimeError(
             "_scaled_dot_product_attention: Explicit attn_mask should not be set when "
@@ -197,12 +215,14 @@ def scaled_dot_product_attention(
     q_l = query.to_local()  # (B, H_q, S_local_q, D)
     k_l = local_kv(key, kl, ql, mesh, coord, rep)  # (B, H_kv, S_local_kv, D)
     v_l = local_kv(value, vl, ql, mesh, coord, rep)  # (B, H_kv, S_local_kv, D_v)
-    q_pos = kv_pos = None
+    q_pos = kv_pos = drop = None
     if is_causal:  # true positions of my query rows and of every K/V block (on the CPU)
         a, b = ql.local_box(coord)[seq]
         q_pos = _positions(ql, seq, mesh)[a:b]
         kv_all = _positions(kl, seq, mesh)
         kv_pos = [kv_all[s : s + n] for s, n in zip(kv_starts, kv_sizes)]
+    if dropout_p:
+        drop = dropout_mask(dropout_p, seed, ql, kl, mesh, coord)
     mask_l = local_mask(attn_mask, query, key, mesh, coord)  # (.., S_local_q, S_kv)
     plan = RingPlan(
         peers=peers,
@@ -216,6 +236,7 @@ def scaled_dot_product_attention(
         scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
         rep=rep,
         kernel=kernels.choose_for(q_l, v_l),  # the same on every rank: dtype, dims, device
+        drop=drop,
     )
 
     # 4. compute, and wrap the output like the query
@@ -230,6 +251,22 @@ def scaled_dot_product_attention(
 
 
 # -- helpers ---------------------------------------------------------------------
+def dropout_mask(p, seed, ql, kl, mesh, coord) -> AttnDropout:
+    """The dropout mask's indices for the local queries of layout ``ql`` against the
+    keys of layout ``kl``: global leading rows, true positions (``_attn_dropout.py``)."""
+    seq = len(ql.global_shape) - 2
+    a, b = ql.local_box(coord)[seq]
+    return AttnDropout(
+        p=p,
+        seed=seed,
+        lead=lead_index(ql, coord),
+        q_pos=_positions(ql, seq, mesh)[a:b],
+        kv_pos=_positions(kl, seq, mesh),
+        sq=ql.global_shape[seq],
+        skv=kl.global_shape[seq],
+    )
+
+
 def _ring_over(mesh, ring, kl, seq, coord):
     """(peers, my position, K/V block sizes) of a ring over the mesh dims ``ring`` that
     all cut the sequence (outer first): rank (i, j) holds the (i * n_j + j)-th block."""

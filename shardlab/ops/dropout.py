@@ -6,8 +6,9 @@ the same for any mesh and any shard sizes (1 rank = single device)::
     global mask (N, C, H, W)      rank 0 [ rows 0-2 ]   rank 1 [ rows 3-4 ]   rank 2 ...
     element e (global flat index) keeps  <=>  u(seed, e) >= p
 
-* ``"counter"`` (default): u(seed, e) = splitmix64(seed + e * golden) / 2^64, computed
-  for the local elements only (O(local) memory and work). ``seed`` is one draw of
+* ``"counter"`` (default): u(seed, e) = splitmix64(seed + e * golden) / 2^64
+  (``_counter.py``, shared with attention dropout), computed for the local elements
+  only (O(local) memory and work). ``seed`` is one draw of
   ``torch.randint`` from the default generator, so ``torch.manual_seed(s)`` on every rank
   makes the run reproducible, and the generator advances the same way on every rank
   (ranks whose generators differ draw different seeds: seed them alike). Not the bits of
@@ -28,18 +29,11 @@ import contextlib
 import torch
 
 from shardlab.ops._cnn_common import check_no_partial
+from shardlab.ops._counter import counter_uniform, draw_seed
 from shardlab.ops.registry import register
 
 SCHEMES = ("counter", "torch")
 _SCHEME = ["counter"]
-
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _i64(v: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 @contextlib.contextmanager
@@ -52,20 +46,6 @@ def mask_scheme(name: str):
         yield
     finally:
         _SCHEME[0] = old
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def counter_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """u in [0, 1) from splitmix64 of ``seed + index * golden`` (wrapping int64 math)."""
-    z = index * _i64(_GOLDEN) + _i64(seed % (1 << 64))
-    z = (z ^ _shr(z, 30)) * _i64(_M1)
-    z = (z ^ _shr(z, 27)) * _i64(_M2)
-    z = z ^ _shr(z, 31)
-    return _shr(z, 11).double() * (1.0 / (1 << 53))
 
 
 def _global_indices(input) -> list[torch.Tensor]:
@@ -105,7 +85,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
         keep = noise[tuple(_global_indices(input))]
         y = x * (keep.to(x.device) / (1 - p))
     else:
-        seed = int(torch.randint(0, 2**62, ()))  # same generator state -> same seed
+        seed = draw_seed()  # same generator state -> same seed
         keep = (counter_uniform(seed, _global_flat_index(input)) >= p).to(x.dtype)
         y = x * (keep.to(x.device) / (1 - p))  # the noise is drawn on the CPU
     return from_layout(y, input.device_mesh, input.sharding)

@@ -13,8 +13,11 @@ the sharded sequence dim. This one keeps (B, H, S_local, head_dim) blocks throug
 Supported: self- and cross-attention (a plain query, such as a learned probe, is read as
 replicated), packed or separate projection weights, biases,
 attn_mask (2-D or 3-D, bool or float), key_padding_mask, is_causal, need_weights and
-average_attn_weights. Not supported (clear error): bias_k/bias_v, add_zero_attn,
-static_k/static_v, dropout during training.
+average_attn_weights, dropout in training (the ring's attention dropout, one global mask
+indexed by (batch, head, query, key): the same for any world size and shard sizes, not
+torch's own bits; the weights returned with ``need_weights`` are the dropped ones, as
+torch's, from the same mask). Not supported (clear error): bias_k/bias_v,
+add_zero_attn, static_k/static_v.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ def multi_head_attention_forward(
     is_causal=False,
 ):  # fmt: skip
     from shardlab.ops._attn_args import whole_if_plain
-    from shardlab.ops.attention import scaled_dot_product_attention as sdpa
+    from shardlab.ops._attn_dropout import check_p
+    from shardlab.ops._counter import draw_seed
+    from shardlab.ops.attention import attend
 
     for name, bad in (
         ("bias_k/bias_v", bias_k is not None or bias_v is not None),
         ("add_zero_attn", add_zero_attn),
         ("static_k/static_v", static_k is not None or static_v is not None),
-        ("dropout (training with dropout > 0)", training and dropout_p > 0),
     ):
         if bad:
             raise NotImplementedError(
@@ -53,6 +57,11 @@ def multi_head_attention_forward(
         raise AssertionError(
             f"was expecting embedding dimension of {embed_dim_to_check}, but got {query.shape[-1]}"
         )
+    dropout_p = dropout_p if training else 0.0  # as torch, which with need_weights drops
+    dropout_p = max(dropout_p, 0.0) if need_weights else dropout_p  # only for p > 0
+    if dropout_p:  # torch's error: F.dropout's (need_weights) or SDPA's
+        check_p(dropout_p, ValueError if need_weights else RuntimeError)
+    seed = draw_seed() if dropout_p else None  # one mask for the output and the weights
     query = whole_if_plain(query, key, value)  # SigLIP's learned probe: one query, whole
     if use_separate_proj_weight:
         weights = (q_proj_weight, k_proj_weight, v_proj_weight)
@@ -69,12 +78,12 @@ def multi_head_attention_forward(
         attn_mask, key_padding_mask, batch, num_heads, q.shape[2], length, is_causal
     )
     causal = is_causal and attn_mask is None
-    attn = sdpa(q, k, v, mask, 0.0, causal)  # (B, H, S_local, hd)
+    attn = attend(q, k, v, mask, dropout_p, causal, None, False, seed)  # (B, H, S_local, hd)
     out = F.linear(attn.transpose(1, 2).flatten(-2), out_proj_weight, out_proj_bias)
     out = out.transpose(0, 1)  # (S, B, E) sharded on S
     if not need_weights:
         return out, None
-    return out, _weights(q, k, mask, causal, average_attn_weights)
+    return out, _weights(q, k, mask, causal, average_attn_weights, dropout_p, seed)
 
 
 def _merged_mask(attn_mask, key_padding_mask, batch, heads, lq, lk, is_causal):
@@ -100,17 +109,19 @@ def _merged_mask(attn_mask, key_padding_mask, batch, heads, lq, lk, is_causal):
     return mask
 
 
-def _weights(q, k, mask, causal, average):
-    """Attention weights of the local queries against all keys: (B, S_local, S_k)."""
+def _weights(q, k, mask, causal, average, dropout_p, seed):
+    """Attention weights of the local queries against all keys: (B, S_local, S_k);
+    with dropout the dropped ones (the ring's mask, from the same seed), as torch's."""
+    from shardlab.ops._attn_args import layout_of
+    from shardlab.ops.attention import dropout_mask
     from shardlab.tensor import ShardTensor
+    from shardlab.tensor.comm import my_coord
 
     mesh = q.device_mesh
     k_all = k.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()  # (B, H, S_k, hd)
     q_local = q.to_local()  # (B, H, S_local, hd)
     scores = q_local @ k_all.transpose(-1, -2) / q_local.shape[-1] ** 0.5
     if mask is not None or causal:
-        from shardlab.tensor.comm import my_coord
-
         lay = q.sharding
         start = lay.local_offset(my_coord(mesh))[2]
         rows = torch.arange(start, start + q_local.shape[2], device=scores.device)
@@ -122,6 +133,9 @@ def _weights(q, k, mask, causal, average):
             m = m[..., rows, :] if m.dim() >= 2 and m.shape[-2] > 1 else m
             scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
     w = scores.softmax(-1)  # (B, H, S_local, S_k)
+    if dropout_p:
+        drop = dropout_mask(dropout_p, seed, q.sharding, layout_of(k, mesh), mesh, my_coord(mesh))
+        w = w * drop.keep(0, k_all.shape[2], w) * drop.factor
     w = w.mean(1) if average else w
     seq_dim = 1 if average else 2
     sizes = [

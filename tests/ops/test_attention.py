@@ -513,8 +513,8 @@ def test_errors(ranks_for):
         q = distribute(torch.randn(1, 1, 4, 2), mesh, [Shard(2)])
         with shardlab.patched():
             sdpa = F.scaled_dot_product_attention
-            with pytest.raises(NotImplementedError, match="dropout_p"):
-                sdpa(q, q, q, dropout_p=0.1)
+            with pytest.raises(RuntimeError, match="between 0 and 1"):  # torch's words and type
+                sdpa(q, q, q, dropout_p=1.5)  # (dropout itself: test_attention_dropout.py)
             with pytest.raises(RuntimeError, match="is_causal"):  # torch's words and type
                 sdpa(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
             # a mask cut otherwise than the queries: rank 0's rows fit, rank 1's do not;
