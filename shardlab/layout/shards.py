@@ -127,6 +127,21 @@ class ShardLayout:
             object.__setattr__(self, "cuts", None)
         self._check_sizes()
 
+    def __hash__(self) -> int:
+        """Computed once: layouts are keys of every cached decision (placements hash slowly)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            fields = (self.global_shape, self.mesh_shape, self.placements, self.sizes)
+            h = hash((*fields, self.atoms, self.cuts))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:  # the cached hash stays in its process
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     def _check_sizes(self, raw: bool = False) -> None:
         for m, (p, entry) in enumerate(zip(self.placements, self.sizes, strict=True)):
             if not isinstance(p, Shard):

@@ -322,12 +322,24 @@ def _dispatch_rule(cls, func, types, args=(), kwargs=None):
 _compat.route_dispatch(ShardTensor, _dispatch_rule)
 
 
+_SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+
+
 def _lift_trainable(args, kwargs):
     """Plain tensors that require grad (parameters) next to a ShardTensor become
     replicated ShardTensors *differentiably*, so their ``.grad`` is a plain tensor
     holding the full gradient (summed over ranks), as on one device. DTensors on a
     sub-mesh (torch TP weights on ``mesh["tp"]``) are read on the whole mesh, and their
     gradients go back to the sub-mesh (:mod:`shardlab.tensor.submesh`)."""
+    mesh = None
+    for a in args:  # the common case: ShardTensors of one mesh and scalars: nothing to lift
+        if type(a) is ShardTensor and (mesh is None or a.device_mesh is mesh):
+            mesh = a.device_mesh
+        elif isinstance(a, (torch.Tensor, list, tuple, dict)) or type(a) not in _SCALARS:
+            break
+    else:
+        if not kwargs and mesh is not None:
+            return args, kwargs
     from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
     from shardlab.tensor.aten._common import tree_leaves as simple_leaves
