@@ -104,7 +104,36 @@ def local_target(target, input, cd, probs, coord):
         return _Redistribute.apply(target, want).to_local()
 
 
+_CHECKED: dict = {}  # the signature of a call -> None or torch's error for it
+
+
 def check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing):
+    """:func:`_check_like_torch`, once per signature (shapes, dtypes, arguments): torch's
+    decompositions on meta tensors cost a millisecond; a training step repeats its calls."""
+
+    def sig(t):
+        return (tuple(t.shape), t.dtype) if torch.is_tensor(t) else (type(t), t)
+
+    key = (sig(input), sig(target), sig(weight), sig(reduction), sig(ignore_index),
+           sig(label_smoothing))  # fmt: skip
+    try:
+        hit = _CHECKED.get(key, False)
+    except TypeError:  # unhashable: no cache
+        return _check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing)
+    if hit is False:
+        try:
+            _check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing)
+            hit = None
+        except Exception as exc:
+            hit = exc
+        if len(_CHECKED) >= 1024:
+            del _CHECKED[next(iter(_CHECKED))]
+        _CHECKED[key] = hit
+    if hit is not None:
+        raise hit.with_traceback(None)
+
+
+def _check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing):
     """torch's own errors for bad arguments, from the global shapes (no data, no comm).
 
     torch's cross-entropy runs on 'meta' tensors of the global shapes; three checks the

@@ -63,8 +63,37 @@ def check_no_partial(name: str, input) -> None:
             )
 
 
+_META: dict = {}
+_META_SIZE = 4096
+
+
 def meta_call(fn, input, *args, **kwargs):
-    """``fn`` on a meta tensor of ``input``'s global shape: torch's checks and shapes."""
+    """``fn`` on a meta tensor of ``input``'s global shape: torch's checks and shapes.
+    Cached by the arguments' shapes, dtypes and values (torch's reference decompositions
+    on meta tensors cost hundreds of microseconds; a training step repeats its calls);
+    the result is only read (shapes), never written."""
+    from shardlab.tensor.aten._common import _key
+
+    try:
+        key = (fn, tuple(input.shape), input.dtype, _key(args), _key(kwargs))
+        hash(key)
+    except TypeError:
+        return _meta_run(fn, input, args, kwargs)
+    hit = _META.get(key)
+    if hit is None:
+        try:
+            hit = ("ok", _meta_run(fn, input, args, kwargs))
+        except Exception as exc:  # torch's own error: the same for the same arguments
+            hit = ("error", exc)
+        if len(_META) >= _META_SIZE:
+            del _META[next(iter(_META))]
+        _META[key] = hit
+    if hit[0] == "error":
+        raise hit[1].with_traceback(None)
+    return hit[1]
+
+
+def _meta_run(fn, input, args, kwargs):
     meta = torch.empty(tuple(input.shape), dtype=input.dtype, device="meta")
     return fn(meta, *args, **kwargs)
 
