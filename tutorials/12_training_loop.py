@@ -28,6 +28,7 @@
 # The claim: the three loss curves are the same curve, to the precision of bfloat16.
 
 # %%
+import shutil
 import tempfile
 
 import matplotlib.pyplot as plt
@@ -268,3 +269,4 @@ plt.axis("off")
 
 # %%
 ranks.close()
+shutil.rmtree(directory)  # the checkpoint's files
