@@ -208,3 +208,29 @@ def test_modules_under_autocast(ranks_for):
 
     for res in ranks_for(2).run(body):
         assert all(res.values()), res
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_decisions_follow_torchs_cuda_lists():
+    """The CUDA policy, read from torch on fake CUDA tensors: convolutions and attention in
+    the lower precision, layer/group norm and cross-entropy in float32 (torch's CUDA float32
+    list, unlike CPU), batch norm untouched (its float32 running statistics stay). Needs a
+    GPU: without one torch turns CUDA autocast off ("CUDA is not available")."""
+    from shardlab.tensor import autocast
+
+    x16, x32 = torch.empty(2, 3, 8, 8, dtype=torch.float16), torch.empty(2, 3, 8, 8)
+    w32, s32 = torch.empty(4, 3, 3, 3), torch.empty(3)
+    t = torch.zeros(2, 8, 8, dtype=torch.long)
+    cases = [
+        ("conv2d", F.conv2d, [x32, w32], {0: torch.float16, 1: torch.float16}),
+        ("layer_norm", F.layer_norm, [x16, (8,)], {0: torch.float32}),
+        ("group_norm", F.group_norm, [x16, 1], {0: torch.float32}),
+        ("cross_entropy", F.cross_entropy, [x16, t], {0: torch.float32}),
+        ("batch_norm", F.batch_norm, [x16, s32, s32.clone(), s32.clone(), s32.clone(), True], {}),
+        ("scaled_dot_product_attention", F.scaled_dot_product_attention,
+         [x32, x32, x32], {0: torch.float16, 1: torch.float16, 2: torch.float16}),
+    ]  # fmt: skip
+    autocast._CACHE.clear()
+    with torch.autocast("cuda", dtype=torch.float16):
+        for name, fn, args, want in cases:
+            assert autocast._casts(name, fn, args, {}, "cuda") == want, name
