@@ -72,6 +72,33 @@ def shard_batch(
     ``head_tail`` they are :func:`~shardlab.ops.attention.head_tail_sizes`.
     ``causal``: default ``head_tail``; ``head_tail`` needs it.
     No communication: every rank keeps its own block.
+
+    Args:
+        mesh: the DeviceMesh (1-D, or 2-D such as ``("seq", "tp")``).
+        input_ids: (B, S) token ids, the same full tensor on every rank.
+        attention_mask: (B, S) padding mask, or None.
+        labels: (B, S) labels for the causal-LM loss, or None.
+        mesh_dim: the mesh dim the sequence is cut along.
+        sizes: rows of each rank along S, or None.
+        head_tail: rank r holds chunks r and 2N-1-r of 2N (equal causal work).
+        causal: global ``position_ids`` and a causal-and-padding mask cut along the query
+            rows (for causal decoders; not for encoders or models that count positions from
+            the mask).
+        ignore_index: the label that the loss ignores (the padding of ``shift_labels``).
+
+    Communicates:
+        Nothing here. The model then sends one label per shard boundary (the label shift),
+        the ring's K/V in attention, and one all-reduce of 3 numbers for the loss's mean.
+        Bad input raises the same ``ValueError`` on every rank.
+
+    Example::
+
+        from shardlab.lm import shard_batch
+
+        with shardlab.patched():
+            batch = shard_batch(mesh, input_ids, attention_mask, labels, causal=True)
+            out = model(**batch)                  # an unchanged transformers decoder
+            out.loss.backward()
     """
     from shardlab.ops.attention import head_tail_order, head_tail_sizes
     from shardlab.tensor import ShardTensor, distribute

@@ -9,7 +9,7 @@
 Each patched name is replaced by a wrapt ``FunctionWrapper`` around the
 original: a call whose positional or keyword arguments include a ShardTensor
 (or a plain DTensor, read with its chunk sizes) goes to the handler registered
-for that name in :mod:`shardlab.ops.registry`; any other call goes to the
+for that name in ``shardlab.ops.registry``; any other call goes to the
 original, with identical results and errors.
 When natten is importable, its ``na1d``/``na2d``/``na3d`` (``natten.functional`` and
 ``natten``) route ShardTensor calls to :mod:`shardlab.ops.neighborhood` the same way, also
@@ -68,7 +68,7 @@ def _router(name: str):
 
 
 def enable() -> None:
-    """Patch every name in :data:`PATCHED_NAMES` (a second call changes nothing)."""
+    """Patch every name in :data:`~shardlab.patch.PATCHED_NAMES` (a second call changes nothing)."""
     from torch.distributed.tensor import DTensor
 
     import shardlab.ops  # noqa: F401  (registers the handlers)
@@ -163,12 +163,27 @@ def _hook_natten() -> None:
 
 
 def is_enabled() -> bool:
+    """True while the patches are in place (inside :func:`patched`, or after :func:`enable`)."""
     return bool(_ORIGINALS)
 
 
 @contextlib.contextmanager
 def patched():
-    """Patch inside the block; afterwards the patches are as they were before it."""
+    """Patch inside the block; afterwards the patches are as they were before it.
+
+    Inside, a ``torch.nn.functional`` call (or an ``nn`` module that makes one) whose
+    arguments include a ShardTensor runs shardlab's sharded version; every other call runs
+    torch's original, unchanged. Communicates nothing itself: each sharded op sends what it
+    needs (a convolution its halo rows, point to point; a norm one all-reduce; attention the
+    K/V ring), as :func:`shardlab.trace` shows.
+
+    Example::
+
+        with shardlab.patched():
+            x = shardlab.distribute(img, mesh, [Shard(2)], sizes=[[30, 34, 32, 32]])
+            y = model(x)                       # nn.Conv2d etc., unchanged
+            y.sum().backward()
+    """
     with _LOCK:
         was = is_enabled()
         enable()

@@ -1,11 +1,17 @@
-"""Every tutorial in a real browser: JupyterLab, Chromium, Run All.
+"""The tutorials and the site in a real browser (headless Chromium).
 
-For each notebook: open it in JupyterLab (headless Chromium driven by playwright, Debian's
+JupyterLab, for the notebooks with explorers and the first one (the others' outputs are
+checked on the site, below): open each (Chromium driven by playwright, Debian's
 ``/usr/bin/chromium``, no browser download), Run All, wait until the kernel is idle, then
 assert that every code cell ran (numbered prompt), no cell shows an error, every image is
 drawn (natural width > 0), and in the notebooks with an explorer the widget's DOM is there
 and changing a control changes its figure. A screenshot of each notebook goes to
 ``tutorials/images/browser/``.
+
+The site (``docs/_build/html``, built by the ``docs_site`` fixture, served on 127.0.0.1):
+every tutorial page shows its figures (drawn, non-zero size) and its Binder button and asks
+nothing from another host; every public name has its API page; no internal link is broken.
+Screenshots of a tutorial page and an API page go to ``docs/images/``.
 
 Needs ``/usr/bin/chromium`` (``apt-get install chromium``) and ``pip install playwright``
 (never ``playwright install``); skipped with the reason otherwise.
@@ -13,6 +19,8 @@ Needs ``/usr/bin/chromium`` (``apt-get install chromium``) and ``pip install pla
 
 from __future__ import annotations
 
+import functools
+import http.server
 import os
 import pathlib
 import secrets
@@ -20,6 +28,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -41,6 +50,11 @@ EXPLORERS = {
     "04_uneven_shards": ("text", "5,5,4,4", "9,3,3,3"),
     "06_halo_convolution": ("slider", None, None),
 }
+# Run All in JupyterLab: the notebooks a learner plays with (the explorers) and the first
+# one (%%ranks cells). Every notebook's cells and figures are checked by the docs build
+# (tests/test_docs.py executes them all on 4 ranks) and on the site below (every figure
+# drawn in Chromium): the same outputs, once instead of twice.
+LAB_TUTORIALS = [p for p in TUTORIALS if p.stem in EXPLORERS or p.stem == "00_ranks"]
 
 
 def _free_port() -> int:
@@ -125,7 +139,7 @@ def _run_all(page, timeout_s: float) -> None:
     raise AssertionError(f"Run All did not finish in {timeout_s} s: prompts {prompts}")
 
 
-@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+@pytest.mark.parametrize("path", LAB_TUTORIALS, ids=[p.stem for p in LAB_TUTORIALS])
 def test_tutorial_in_the_browser(lab, path):
     browser, url, token = lab
     page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -171,3 +185,131 @@ def _play(page, kind, old, new):
     while time.time() < deadline and image.get_attribute("src") == before:
         time.sleep(0.5)
     assert image.get_attribute("src") != before, "the figure did not change"
+
+
+# -- the site (docs/_build/html, built by the docs_site fixture) --------------------------
+SITE_SHOTS = ROOT / "docs" / "images"
+SITE_TUTORIALS = sorted(ROOT.joinpath("tutorials").glob("[0-9]*.py"))
+
+
+@pytest.fixture(scope="module")
+def site(docs_site):
+    """The built site on a local HTTP server, and a Chromium to look at it."""
+    handler = functools.partial(_QuietHandler, directory=str(docs_site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"],
+        )  # fmt: skip
+        try:
+            yield browser, f"http://127.0.0.1:{server.server_address[1]}", docs_site
+        finally:
+            browser.close()
+            server.shutdown()
+            server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def _external_requests(page) -> list[str]:
+    seen: list[str] = []
+    page.on(
+        "request",
+        lambda r: seen.append(r.url) if not r.url.startswith(("http://127.0.0.1", "data:")) else 0,
+    )
+    return seen
+
+
+@pytest.mark.timeout(1800)
+def test_site_tutorial_pages_show_their_figures(site):
+    browser, url, _ = site
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    external = _external_requests(page)
+    try:
+        for script in SITE_TUTORIALS:
+            response = page.goto(f"{url}/tutorials/{script.stem}.html")
+            assert response.ok, script.stem
+            page.wait_for_load_state("load")
+            images = page.locator("article img").evaluate_all(
+                "els => els.map(e => [e.getAttribute('src').slice(0, 40), e.naturalWidth,"
+                " e.getBoundingClientRect().width])"
+            )
+            assert images, f"{script.stem}: no figure on the page"
+            drawn = [[src, w, shown] for src, w, shown in images if w > 0 and shown > 0]
+            assert drawn == images, f"{script.stem}: images not drawn: {images}"
+            launch = page.locator("a[href*='mybinder.org']")
+            assert launch.count() == 1, f"{script.stem}: no Binder button"
+            assert f"tutorials/{script.stem}.ipynb" in launch.get_attribute("href")
+            if script.stem == "06_halo_convolution":
+                page.locator("div.cell_output img").first.scroll_into_view_if_needed()
+                SITE_SHOTS.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(SITE_SHOTS / "tutorial_page.png"))
+        assert external == [], f"the pages asked for {sorted(set(external))[:5]}"
+    finally:
+        page.close()
+
+
+@pytest.mark.timeout(1800)
+def test_site_api_pages_exist_for_every_public_name(site):
+    browser, url, root = site
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import shardlab_docs
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        for modname, names, modules in shardlab_docs.public_names():
+            assert page.goto(f"{url}/api/{modname}.html").ok, modname
+            assert page.locator(f"[id='module-{modname}']").count() == 1, modname
+            for m in modules:  # a module among the names: a link to its page
+                assert page.locator(f"a[href$='{m}.html#module-{m}']").count() >= 1, m
+            for name in names:
+                full = f"{modname}.{name}"
+                assert page.goto(f"{url}/api/generated/{full}.html").ok, full
+                entry = page.locator(f"dt[id='{full}']")
+                assert entry.count() == 1, f"no entry for {full}"
+                assert entry.is_visible(), full
+                if full == "shardlab.ShardTensor":
+                    SITE_SHOTS.mkdir(parents=True, exist_ok=True)
+                    page.screenshot(path=str(SITE_SHOTS / "api_page.png"))
+    finally:
+        page.close()
+
+
+@pytest.mark.timeout(600)
+def test_site_has_no_broken_internal_link(site):
+    """Every link of every page, followed in the browser's own URL resolution: the target
+    page loads and holds the fragment's id."""
+    browser, url, root = site
+    page = browser.new_page()
+    try:
+        pages = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.html"))
+        links: set[str] = set()
+        ids: dict[str, set[str]] = {}
+        for rel in pages:
+            assert page.goto(f"{url}/{rel}").ok, rel
+            ids[rel] = set(page.locator("[id]").evaluate_all("els => els.map(e => e.id)"))
+            links |= set(page.locator("a[href]").evaluate_all("els => els.map(e => e.href)"))
+        broken = []
+        for link in sorted(links):
+            if not link.startswith(url):
+                continue  # another site
+            target, _, fragment = link[len(url) + 1 :].partition("#")
+            target = target.split("?")[0] or "index.html"
+            if target.endswith("/"):
+                target += "index.html"
+            if target not in ids and not (root / target).exists():
+                broken.append(link)
+            elif fragment and target in ids and fragment not in ids[target]:
+                broken.append(link)
+        assert broken == [], broken[:20]
+    finally:
+        page.close()

@@ -1,4 +1,4 @@
-"""Every tutorial also runs with 2 and 3 ranks (nbval runs them as written, with 4).
+"""Every tutorial also runs with 2 and 3 ranks (the docs build runs them as written, with 4).
 
 Each notebook sets its world size once, on a line ``WORLD = 4``; this test rewrites that
 line and executes the notebook in a fresh kernel; any exception (the in-cell asserts
@@ -30,3 +30,17 @@ def test_tutorial_runs_with_other_world_sizes(path, world):
         nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     )
     client.execute()
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_notebook_and_its_script_hold_the_same_cells(path):
+    """The docs build executes the jupytext scripts, this file the notebooks: one source."""
+    jupytext = pytest.importorskip("jupytext")
+
+    def cells(nb):
+        return [(c.cell_type, c.source.strip()) for c in nb.cells if c.source.strip()]
+
+    script = jupytext.read(path.with_suffix(".py"))
+    assert cells(nbformat.read(path, as_version=4)) == cells(script), (
+        f"{path.name} and {path.with_suffix('.py').name} differ: jupytext --sync {path}"
+    )

@@ -1,9 +1,11 @@
 """Pure layout arithmetic: shard sizes, redistribution boxes and halo plans (no process group).
 
-* :mod:`.shards`        uneven shard sizes on 1-D / 2-D meshes (:class:`ShardLayout`)
-* :mod:`.redistribute`  which global boxes move when a layout changes
-* :mod:`.conv`          halo plans for a sliding-window op along one sharded dim
-* :mod:`.conv_nd`       the same on several sharded dims (product of 1-D plans)
+* ``shards``        uneven shard sizes on 1-D / 2-D meshes (:class:`ShardLayout`)
+* ``redistribute``  which global boxes move when a layout changes
+* ``conv``          halo plans for a sliding-window op along one sharded dim
+* ``conv_nd``       the same on several sharded dims (product of 1-D plans)
+
+Nothing here communicates: these are the plans the ops and the figures follow.
 """
 
 from .conv import (

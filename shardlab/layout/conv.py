@@ -165,6 +165,7 @@ class ConvPlan:
         return sum(b.stop - b.start for b in self.sends(r))
 
     def rows_received(self, r: int) -> int:
+        """How many input rows rank ``r`` receives from other ranks (its halos)."""
         return sum(b.stop - b.start for b in self.recvs(r))
 
     def local_index(self, r: int) -> tuple[int, ...]:

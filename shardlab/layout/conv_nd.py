@@ -56,10 +56,12 @@ class Block:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The block's extent along each sharded dim."""
         return tuple(stop - start for start, stop in self.box)
 
     @property
     def numel(self) -> int:
+        """The number of positions in the block (product of :attr:`shape`)."""
         n = 1
         for start, stop in self.box:
             n *= stop - start
@@ -74,9 +76,11 @@ class ConvPlanND:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
+        """The number of ranks along each sharded dim."""
         return tuple(len(p.in_sizes) for p in self.plans)
 
     def coords(self) -> list[tuple[int, ...]]:
+        """Every mesh coordinate, row-major."""
         return list(itertools.product(*(range(n) for n in self.mesh_shape)))
 
     def blocks(self, coord: Sequence[int]) -> tuple[Block, ...]:
@@ -114,6 +118,7 @@ class ConvPlanND:
         return tuple(p.local_index(c) for p, c in zip(self.plans, self._coord(coord), strict=True))
 
     def crop(self, coord: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """Per sharded dim, the slice of the local op's output that is this rank's."""
         return tuple(p.crop(c) for p, c in zip(self.plans, self._coord(coord), strict=True))
 
     def out_box(self, coord: Sequence[int]) -> Box:
@@ -125,6 +130,7 @@ class ConvPlanND:
         return sum(b.numel for b in self.recvs(coord))
 
     def elements_sent(self, coord: Sequence[int]) -> int:
+        """How many positions (along the sharded dims) the rank at ``coord`` sends."""
         total = 0
         for _, box in self.sends(coord):
             n = 1

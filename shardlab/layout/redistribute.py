@@ -57,6 +57,7 @@ class Move:
 
     @property
     def numel(self) -> int:
+        """The number of elements the move carries."""
         n = 1
         for d, (start, stop) in enumerate(self.box):
             pos = self.index[d] if self.index is not None else None

@@ -93,9 +93,10 @@ class ShardLayout:
     Build it with :meth:`build` or :meth:`from_local_shapes`; fields are canonical (see the
     module docstring). Coordinates (``coord``) are mesh coordinates, e.g. ``(1,)`` or ``(0, 2)``.
 
-    ``atoms``/``cuts`` describe dims that views merged or split (see :mod:`._atoms`): None
-    for the usual block layout. A *strided* dim (several atoms) has no single box per rank;
-    :meth:`local_box` refuses it, :meth:`dim_indices` / :meth:`dim_intervals` describe it.
+    ``atoms``/``cuts`` describe dims that views merged or split (see
+    ``shardlab.layout._atoms``): None for the usual block layout. A *strided* dim (several
+    atoms) has no single box per rank; :meth:`local_box` refuses it, :meth:`dim_indices` /
+    :meth:`dim_intervals` describe it.
     """
 
     global_shape: tuple[int, ...]
@@ -273,6 +274,7 @@ class ShardLayout:
         return self.atoms[tensor_dim] is None
 
     def strided_dims(self) -> list[int]:
+        """The tensor dims whose pieces are strided (not one contiguous block per rank)."""
         return [d for d in range(len(self.global_shape)) if not self.is_block(d)]
 
     def dim_indices(self, tensor_dim: int, coord: Sequence[int]):

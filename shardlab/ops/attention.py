@@ -96,13 +96,23 @@ _HEAD_TAIL: contextvars.ContextVar[bool] = contextvars.ContextVar("head_tail", d
 
 # -- head-tail load balancing --------------------------------------------------
 def head_tail_sizes(length: int, parts: int) -> list[int]:
-    """Rows of each rank: chunk r plus chunk 2N-1-r of ``chunk_sizes(length, 2N)``."""
+    """Rows of each rank: chunk r plus chunk 2N-1-r of ``chunk_sizes(length, 2N)``.
+
+    Example::
+
+        head_tail_sizes(16, 2)        # [8, 8]: rank 0 holds chunks 0 and 3 of 4
+    """
     c = chunk_sizes(length, 2 * parts)
     return [c[r] + c[2 * parts - 1 - r] for r in range(parts)]
 
 
 def head_tail_order(length: int, parts: int, device=None) -> torch.Tensor:
-    """``order[i]`` = true position of stored row i (chunks 0, 2N-1, 1, 2N-2, ...)."""
+    """``order[i]`` = true position of stored row i (chunks 0, 2N-1, 1, 2N-2, ...).
+
+    Example::
+
+        head_tail_order(8, 2)         # tensor([0, 1, 6, 7, 2, 3, 4, 5])
+    """
     c = chunk_sizes(length, 2 * parts)
     start = offsets(c)
     chunks = [i for r in range(parts) for i in (r, 2 * parts - 1 - r)]
@@ -114,7 +124,15 @@ def head_tail_order(length: int, parts: int, device=None) -> torch.Tensor:
 
 def balance(x: torch.Tensor, mesh, placements, dims=(-2,)):
     """Store ``x`` (the same full tensor on every rank) head-tail along ``dims`` and
-    keep this rank's block (no communication). ``dims[0]`` is the sharded sequence dim."""
+    keep this rank's block (no communication). ``dims[0]`` is the sharded sequence dim.
+
+    Example::
+
+        with head_tail():
+            q = balance(q_full, mesh, [Shard(2)])     # (B, H, S, D), S cut head-tail
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y_full = unbalance(y.full_tensor(), parts=mesh.size())
+    """
     from shardlab.tensor import distribute
 
     seq = dims[0] % x.ndim
@@ -130,7 +148,10 @@ def balance(x: torch.Tensor, mesh, placements, dims=(-2,)):
 
 
 def unbalance(x: torch.Tensor, parts: int, dims=(-2,)) -> torch.Tensor:
-    """Undo :func:`balance` on a full tensor (e.g. ``y.full_tensor()``)."""
+    """Undo :func:`balance` on a full tensor (e.g. ``y.full_tensor()``).
+
+    Example: see :func:`balance`.
+    """
     return _permute(x, parts, dims, inverse=True)
 
 
@@ -143,7 +164,10 @@ def _permute(x, parts, dims, inverse):
 
 @contextlib.contextmanager
 def head_tail():
-    """Inside: sequence-sharded q/k/v are stored head-tail (see :func:`balance`)."""
+    """Inside: sequence-sharded q/k/v are stored head-tail (see :func:`balance`).
+
+    Example: see :func:`balance`.
+    """
     token = _HEAD_TAIL.set(True)
     try:
         yield
@@ -163,7 +187,19 @@ def scaled_dot_product_attention(
     scale=None,
     enable_gqa=False,
 ):
-    """``F.scaled_dot_product_attention`` with a sequence-sharded ShardTensor ``query``."""
+    """``F.scaled_dot_product_attention`` with a sequence-sharded ShardTensor ``query``.
+
+    Called for ``F.scaled_dot_product_attention`` under :func:`shardlab.patched`. Ring
+    attention: each rank receives every other rank's K and V block once in forward (point to
+    point, overlapped with the blocks' compute) and sends dK/dV back around the ring in
+    backward; scores are never larger than (local queries x one K/V block).
+
+    Example::
+
+        with shardlab.patched():
+            q, k, v = (shardlab.distribute(t, mesh, [Shard(2)]) for t in (q_, k_, v_))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """
     if dropout_p:  # torch's check, words and type; every rank, before any message
         check_p(dropout_p)
     seed = draw_seed() if dropout_p else None  # dropout_p = 0: no random number drawn

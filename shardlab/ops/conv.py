@@ -1,6 +1,6 @@
 """Domain-parallel convolution: ``F.conv{1,2,3}d`` and ``F.conv_transpose{1,2,3}d``.
 
-An input (N, C, *spatial) sharded along spatial dims (any sizes, 1-D or 2-D
+An input ``(N, C, *spatial)`` sharded along spatial dims (any sizes, 1-D or 2-D
 mesh) or along the batch::
 
     1. for each sharded spatial dim, in order: halo exchange (point to point,
@@ -44,7 +44,13 @@ _OVERLAP: contextvars.ContextVar[bool] = contextvars.ContextVar("halo_overlap", 
 @contextlib.contextmanager
 def halo_overlap(enabled: bool = True):
     """Inside: sharded convolutions overlap their halo messages with the interior (on,
-    by default) or exchange first and compute after (``False``: for comparison)."""
+    by default) or exchange first and compute after (``False``: for comparison).
+
+    Example::
+
+        with shardlab.patched(), halo_overlap(False):
+            y = conv(x)                   # the same messages and values, exchanged first
+    """
     token = _OVERLAP.set(bool(enabled))
     try:
         yield

@@ -92,7 +92,17 @@ def cross_entropy(
     reduction="mean",
     label_smoothing=0.0,
 ):
-    """``torch.nn.functional.cross_entropy`` with the logits a ShardTensor (see the module)."""
+    """``torch.nn.functional.cross_entropy`` with the logits a ShardTensor (see the module).
+
+    Communicates: with the classes cut, 2 all-reduces of O(local rows) numbers in forward
+    (a max, then sum-exp and the target logit together), none in backward; with the rows
+    cut, one all-reduce of 3 numbers for ``'sum'``/``'mean'``.
+
+    Example::
+
+        logits = shardlab.distribute(full_logits, mesh, [Shard(1)])    # classes cut
+        loss = F.cross_entropy(logits, target)                          # exact
+    """
     from shardlab.tensor import ShardTensor
 
     if size_average is not None or reduce is not None:

@@ -1,7 +1,7 @@
 """Neighborhood attention (NATTEN's ``na1d``/``na2d``/``na3d``) on plain and sharded tensors.
 
 q, k, v are heads-last, ``(B, *spatial, H, D)``. Each query attends to the k (k x k,
-k x k x k) keys around it (:mod:`shardlab.layout.neighborhood`: shifted inward at the
+k x k x k) keys around it (``shardlab.layout.neighborhood``: shifted inward at the
 borders, optional dilation and causal masking per dim)::
 
     rank 0 rows 0-4          rank 1 rows 5-9            k = 3 along H, H cut in [5, 5]
@@ -37,17 +37,44 @@ __all__ = ["na1d", "na2d", "na3d", "neighborhood_attention"]
 
 
 def na1d(query, key, value, kernel_size, dilation=1, is_causal=False, scale=None):
-    """``(B, L, H, D)`` neighborhood attention (NATTEN's ``na1d``)."""
+    """``(B, L, H, D)`` neighborhood attention (NATTEN's ``na1d``).
+
+    Args: ``query``, ``key``, ``value`` (B, L, H, D), plain tensors or ShardTensors cut along
+    spatial dims; ``kernel_size``, ``dilation`` an int or one per dim; ``is_causal``;
+    ``scale`` (default ``D ** -0.5``). On ShardTensors each rank receives exactly the K/V
+    rows its queries see and does not own (one message per neighbour, forward) and sends
+    their gradients home (backward); no collective.
+
+    Example: ``y = na1d(q, k, v, kernel_size=7)``.
+    """
     return neighborhood_attention(query, key, value, kernel_size, dilation, is_causal, scale, 1)
 
 
 def na2d(query, key, value, kernel_size, dilation=1, is_causal=False, scale=None):
-    """``(B, X, Y, H, D)`` neighborhood attention (NATTEN's ``na2d``)."""
+    """``(B, X, Y, H, D)`` neighborhood attention (NATTEN's ``na2d``).
+
+    Args: ``query``, ``key``, ``value`` (B, X, Y, H, D), plain tensors or ShardTensors cut along
+    spatial dims; ``kernel_size``, ``dilation`` an int or one per dim; ``is_causal``;
+    ``scale`` (default ``D ** -0.5``). On ShardTensors each rank receives exactly the K/V
+    rows its queries see and does not own (one message per neighbour, forward) and sends
+    their gradients home (backward); no collective.
+
+    Example: ``y = na2d(q, k, v, kernel_size=7)``.
+    """
     return neighborhood_attention(query, key, value, kernel_size, dilation, is_causal, scale, 2)
 
 
 def na3d(query, key, value, kernel_size, dilation=1, is_causal=False, scale=None):
-    """``(B, X, Y, Z, H, D)`` neighborhood attention (NATTEN's ``na3d``)."""
+    """``(B, X, Y, Z, H, D)`` neighborhood attention (NATTEN's ``na3d``).
+
+    Args: ``query``, ``key``, ``value`` (B, X, Y, Z, H, D), plain tensors or ShardTensors cut along
+    spatial dims; ``kernel_size``, ``dilation`` an int or one per dim; ``is_causal``;
+    ``scale`` (default ``D ** -0.5``). On ShardTensors each rank receives exactly the K/V
+    rows its queries see and does not own (one message per neighbour, forward) and sends
+    their gradients home (backward); no collective.
+
+    Example: ``y = na3d(q, k, v, kernel_size=7)``.
+    """
     return neighborhood_attention(query, key, value, kernel_size, dilation, is_causal, scale, 3)
 
 
@@ -60,7 +87,10 @@ def _per_dim(value, n: int, name: str) -> tuple:
 
 
 def neighborhood_attention(q, k, v, kernel_size, dilation=1, is_causal=False, scale=None, n=2):
-    """n-D neighborhood attention of heads-last q, k, v; ShardTensors: halos (module doc)."""
+    """n-D neighborhood attention of heads-last q, k, v; ShardTensors: halos (module doc).
+
+    Example: ``neighborhood_attention(q, k, v, 7, n=2)`` is ``na2d(q, k, v, 7)``.
+    """
     from shardlab.tensor import ShardTensor
 
     # 1. arguments, from global shapes only (the same error on every rank)

@@ -21,10 +21,17 @@ _CONTEXT: RankContext | None = None  # one per process: this process *is* the ra
 
 @dataclass
 class RankContext:
-    """One rank of a pool.
+    """One rank of a pool, as :func:`this_rank` returns it on that rank.
 
-    ``ns`` is the rank's namespace: ``%%ranks`` cells run in it, and values put
-    there by ``ranks.push`` / read by ``ranks.pull`` persist across calls.
+    Attributes:
+        rank: this rank's number, ``0 … world_size - 1``.
+        world_size: the number of ranks.
+        local_rank: the rank's number on its machine (its GPU index with nccl).
+        backend: ``"gloo"`` or ``"nccl"``.
+        device: the ``torch.device`` the rank's tensors live on.
+        mesh: a 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` over all ranks.
+        ns: the rank's namespace: ``%%ranks`` cells run in it, and values put there by
+            :meth:`Ranks.push` / read by :meth:`Ranks.pull` persist across calls.
     """
 
     rank: int
@@ -43,11 +50,19 @@ class RankContext:
 
 
 def this_rank() -> RankContext:
-    """The context of the rank this code runs on.
+    """The context of the rank this code runs on (:class:`RankContext`).
 
     Raises ``RuntimeError`` outside a rank (for example in the notebook kernel
     that owns a :class:`shardlab.Ranks` pool): run the code with ``ranks.run``
-    or in a ``%%ranks`` cell.
+    or in a ``%%ranks`` cell. Communicates nothing.
+
+    Example::
+
+        def where():
+            me = shardlab.this_rank()
+            return me.rank, me.world_size, str(me.device), me.mesh.shape
+
+        ranks.run(where)   # [(0, 4, 'cpu', (4,)), (1, 4, 'cpu', (4,)), ...]
     """
     if _CONTEXT is None:
         raise RuntimeError(

@@ -13,6 +13,17 @@ class RankError(RuntimeError):
     the name of its exception, ``remote_traceback`` its traceback as printed on
     that rank, and ``failures`` maps every failed rank to ``(exc_type, message)``.
     ``restarted`` is true when the pool had to be rebuilt (per-rank state lost).
+
+    Example::
+
+        def fail():
+            if shardlab.this_rank().rank == 2:
+                raise ValueError("bad input")
+
+        try:
+            ranks.run(fail)
+        except shardlab.RankError as err:
+            err.rank, err.exc_type      # (2, 'ValueError')
     """
 
     def __init__(

@@ -103,7 +103,28 @@ class Ranks:
         start_method: ``"forkserver"`` (default where available) or ``"spawn"``.
         threads: torch intra-op threads per rank (default: cores // n, at least 1).
 
-    Use as a context manager, or call :meth:`close`.
+    Use as a context manager, or call :meth:`close`. Under ``torchrun``/``srun`` (``RANK``
+    and ``WORLD_SIZE`` set) the pool *attaches* to the job instead: :meth:`run` runs the
+    function in place and all-gathers the results, so the same script runs unchanged.
+
+    Communicates:
+        Starting joins the ranks in one process group (a TCP store rendezvous) with a 1-D
+        :class:`~torch.distributed.device_mesh.DeviceMesh` over all of them. Calls travel
+        to the ranks through pipes (the function and its arguments pickled with
+        cloudpickle); nothing moves between ranks unless the function communicates.
+
+    Example::
+
+        ranks = shardlab.Ranks(4)              # 4 gloo ranks on CPU
+
+        def body(scale):
+            import torch, torch.distributed as dist
+            x = torch.tensor([scale * shardlab.this_rank().rank])
+            dist.all_reduce(x)                 # one all-reduce of 8 bytes
+            return x.item()
+
+        ranks.run(body, 2.0)                   # [12.0, 12.0, 12.0, 12.0]
+        ranks.close()
     """
 
     def __init__(
@@ -233,7 +254,15 @@ class Ranks:
         self._store = None
 
     def close(self) -> None:
-        """Stop every rank. Safe to call twice."""
+        """Stop every rank (each destroys its process group first). Safe to call twice;
+        leaving a ``with Ranks(n) as ranks:`` block calls it. Attached to a torchrun job, it
+        stops nothing.
+
+        Example::
+
+            with shardlab.Ranks(2) as ranks:
+                ranks.run(lambda: 1)           # [1, 1]
+        """
         if self._closed:
             return
         self._closed = True
@@ -273,22 +302,60 @@ class Ranks:
     def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
-        What ranks print is printed here afterwards, rank by rank, each line
-        prefixed ``[rank i]``. Raises :class:`RankError` if any rank raises.
+        Args:
+            fn: any function, also one defined in a notebook (it travels by value with
+                cloudpickle; an unpicklable function or argument is a ``TypeError`` before
+                anything runs).
+            args, kwargs: passed to ``fn`` on every rank (the same values).
+
+        Returns:
+            A list with each rank's result, in rank order (results must be picklable).
+
+        What ranks print is printed here afterwards, rank by rank, each line prefixed
+        ``[rank i]``. Raises :class:`RankError` if any rank raises (naming the rank, with its
+        traceback); a rank that dies or a collective that cannot complete is reported
+        within ``timeout`` and the pool restarts on the next call.
+
+        Communicates:
+            Only what ``fn`` does; the call and the results travel through pipes.
+
+        Example::
+
+            def shapes(n):
+                import torch
+                me = shardlab.this_rank()
+                return torch.zeros(n + me.rank).shape
+
+            ranks.run(shapes, 2)   # [torch.Size([2]), torch.Size([3]), ...]
         """
         results, outputs = self._call(fn, args, kwargs)
         print_outputs(outputs)
         return results
 
     def push(self, **values: Any) -> None:
-        """Put the same ``name=value`` pairs into every rank's namespace."""
+        """Put the same ``name=value`` pairs into every rank's namespace (where ``%%ranks``
+        cells run). Nothing moves between ranks.
+
+        Example::
+
+            ranks.push(lr=0.1, steps=3)
+            ranks.pull("lr")          # [0.1, 0.1, 0.1, 0.1]
+        """
         from shardlab.runtime import worker
 
         self._call(worker.push, (values,), {})
 
     def pull(self, *names: str) -> list | dict:
         """Values of ``names`` in every rank's namespace: a list in rank order
-        for one name, a dict ``{name: [per-rank values]}`` for several."""
+        for one name, a dict ``{name: [per-rank values]}`` for several. Nothing moves
+        between ranks (each sends its values to the kernel through its pipe).
+
+        Example::
+
+            ranks.run(lambda: shardlab.this_rank().ns.update(x=shardlab.this_rank().rank))
+            ranks.pull("x")           # [0, 1, 2, 3]
+            ranks.pull("x", "lr")     # {"x": [0, 1, 2, 3], "lr": [...]}
+        """
         from shardlab.runtime import worker
 
         results, _ = self._call(worker.pull, (names,), {})

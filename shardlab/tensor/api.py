@@ -64,6 +64,16 @@ class ShardTensor(DTensor):
     Build one with :meth:`from_local`, :func:`shardlab.scatter_tensor` or
     :func:`shardlab.distribute`; leave with :meth:`full_tensor`,
     :meth:`to_local` or :meth:`redistribute`. ``sharding`` holds the sizes.
+
+    Example::
+
+        def body():
+            mesh = shardlab.this_rank().mesh                   # 1-D, 4 ranks
+            x = torch.arange(36.0).reshape(18, 2)
+            st = shardlab.distribute(x, mesh, [Shard(0)], sizes=[[5, 5, 4, 4]])
+            st.to_local().shape                                # (5, 2) on rank 0, (4, 2) on 3
+            st.mean().full_tensor()                            # 17.5, as on one device
+            return st.redistribute(mesh, [Shard(1)]).to_local().shape
     """
 
     _layout: ShardLayout
@@ -124,7 +134,7 @@ class ShardTensor(DTensor):
     # -- what it is --------------------------------------------------------
     @property
     def sharding(self) -> ShardLayout:
-        """Who holds what: the :class:`~shardlab.layout.ShardLayout` (placements and the
+        """Who holds what, as a :class:`~shardlab.layout.ShardLayout` (placements and the
         exact size of every piece). ``x.layout`` stays torch's (``torch.strided``)."""
         return self._layout
 
@@ -169,6 +179,13 @@ class ShardTensor(DTensor):
         on every rank. ``validate=False`` (explicit ``sizes`` only) skips the all-gather
         and checks this rank's own shape only: for callers that know the sizes agree.
         ``stride``: the global strides (default contiguous), the same on every rank.
+
+        Example::
+
+            me = shardlab.this_rank()
+            local = torch.randn(3 + me.rank, 8)                    # 3, 4, 5, 6 rows
+            st = ShardTensor.from_local(local, me.mesh, [Shard(0)])
+            st.shape                                               # (18, 8)
         """
         mesh = _mesh(device_mesh)
         placements = _placements(placements, mesh)
@@ -199,6 +216,10 @@ class ShardTensor(DTensor):
         ``grad_placements`` says what the gradient of the block means, as in
         DTensor: e.g. ``[Partial()]`` for a replicated weight used on local
         rows, whose per-rank gradients must be summed.
+
+        Example::
+
+            st.to_local()                                          # rank 2: its (4, 2) block
         """
         if getattr(self, "_whole_to_local", False) and grad_placements is None:
             return self  # after a sub-mesh redistribute (a torch TP hook), see there
@@ -221,6 +242,11 @@ class ShardTensor(DTensor):
 
         Collectives: an all-reduce per Partial mesh dim that is resolved, then
         point-to-point messages carrying exactly the boxes that change owner.
+
+        Example::
+
+            cols = st.redistribute(mesh, [Shard(1)])               # rows -> columns
+            whole = st.redistribute(mesh, [Replicate()])           # an all-gather of the rows
         """
         mesh = self.device_mesh
         sub = device_mesh if device_mesh is not None and device_mesh != mesh else None
@@ -262,6 +288,10 @@ class ShardTensor(DTensor):
 
         Its gradient is taken as the same on every rank (Replicate); pass
         ``grad_placements=[Partial()]`` when each rank's gradient is a part of it.
+
+        Example::
+
+            st.full_tensor().shape                                 # the global shape, every rank
         """
         replicate = [Replicate()] * self.device_mesh.ndim
         return self.redistribute(self.device_mesh, replicate).to_local(
@@ -559,6 +589,18 @@ def scatter_tensor(tensor, src: int, device_mesh, placements, sizes=None) -> Sha
     Every other rank passes anything (``None``) and receives only its own block:
     one broadcast of the shape and dtype, then one message per receiving rank.
     Differentiable: the gradient is gathered back to ``src``.
+
+    Args:
+        tensor: the global tensor on rank ``src``; ignored elsewhere.
+        src: the global rank that holds it.
+        device_mesh, placements, sizes: as in :func:`shardlab.distribute`.
+
+    Example::
+
+        me = shardlab.this_rank()
+        x = torch.arange(54.0).reshape(18, 3) if me.rank == 0 else None
+        st = shardlab.scatter_tensor(x, 0, me.mesh, [Shard(0)], sizes=[[6, 4, 4, 4]])
+        # rank 0 sent 3 messages; rank 1 received 4 x 3 x 4 = 48 bytes
     """
     mesh = _mesh(device_mesh)
     placements = _placements(placements, mesh)
@@ -679,6 +721,17 @@ def distribute(tensor: torch.Tensor, device_mesh, placements, sizes=None) -> Sha
 
     Differentiable: the gradient of ``tensor`` is the full gradient on every rank
     (one redistribute to Replicate in backward).
+
+    Args:
+        tensor: the global tensor, the same on every rank.
+        device_mesh: the DeviceMesh (1-D or 2-D).
+        placements: one ``Shard(d)`` / ``Replicate()`` / ``Partial()`` per mesh dim.
+        sizes: per mesh dim, the size of every piece (``[[5, 5, 4, 4]]``), or None for
+            ``torch.chunk``'s sizes (see ``ShardLayout.build``).
+
+    Example::
+
+        st = shardlab.distribute(img, mesh, [Shard(2)], sizes=[[30, 34, 32, 32]])
     """
     mesh = _mesh(device_mesh)
     placements = _placements(placements, mesh)

@@ -62,12 +62,24 @@ class Event:
 
     @property
     def is_p2p(self) -> bool:
+        """True for a point-to-point message (``send``/``recv``), False for a collective."""
         return self.kind in POINT_TO_POINT
 
 
 @dataclass
 class Trace:
-    """Events of one ``with shardlab.trace() as t:`` block, from every rank traced."""
+    """Events of one ``with shardlab.trace() as t:`` block, from every rank traced.
+
+    Plain data (a list of :class:`Event`): it pickles, saves as JSON (:meth:`to_json`) and
+    draws (:func:`shardlab.viz.plot_collectives`). Filter with keyword arguments: ``rank``,
+    ``kind`` (a name or a tuple), ``label`` (a prefix), ``peer``.
+
+    Example::
+
+        t.counts(rank=0)                          # {'all_reduce': 1, 'send': 2, ...}
+        t.bytes(rank=1, kind="recv")              # what rank 1 received, in bytes
+        t.filter(label="conv2d").table()          # one line per event
+    """
 
     events: list[Event] = field(default_factory=list)
 
@@ -78,6 +90,7 @@ class Trace:
         return iter(self.events)
 
     def ranks(self) -> list[int]:
+        """The ranks that recorded events, sorted."""
         return sorted({e.rank for e in self.events})
 
     def filter(self, *, rank=None, kind=None, label=None, peer=None) -> Trace:
@@ -132,10 +145,12 @@ class Trace:
         return "\n".join(lines)
 
     def to_json(self) -> str:
+        """The events as a JSON list of objects (one per event; :meth:`from_json` reads it)."""
         return json.dumps([asdict(e) for e in self.events])
 
     @classmethod
     def from_json(cls, text: str) -> Trace:
+        """The trace that :meth:`to_json` wrote."""
         events = []
         for d in json.loads(text):
             d["group"] = tuple(d["group"])

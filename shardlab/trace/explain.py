@@ -347,6 +347,36 @@ def explain(model, *inputs, backward: bool = True, memory: bool | None = None, *
     ``True`` counts live tensor bytes with a dispatch mode that sees every op (a Python
     call per op: about +20 % on a small model's step), so ``None`` leaves the column out
     (``-``) there, as ``torch.profiler`` leaves ``profile_memory`` off by default.
+
+    Args:
+        model: any ``nn.Module``, unchanged (its inputs ShardTensors, under
+            :func:`shardlab.patched` where it needs the patched functions).
+        inputs, kwargs: what the model is called with; none: a context manager.
+        backward: also run and explain the backward (default True).
+        memory: see above.
+
+    Returns:
+        An :class:`Explanation` with, for every module, in call order, forward and
+        backward, the input and output layouts, the messages and collectives it caused
+        (kind, bytes, peer, mesh axis, the op's label), its time and peak memory, on every
+        rank.
+
+    Communicates:
+        The model's own messages, and at the end one all-gather of every rank's rows
+        (a few KiB), so that each rank returns the whole explanation. Run it on every rank.
+
+    Example::
+
+        def step():
+            with shardlab.patched():
+                x = shardlab.distribute(img, mesh, [Shard(2)], sizes=[[13, 8, 11]])
+                return shardlab.explain(model, x)          # forward + backward
+
+        print(ranks.run(step)[0].table())
+
+        with shardlab.explain(model) as ex:                 # around your own step
+            model(x).sum().backward()
+        ex.explanation.plot()
     """
     if not inputs and not kwargs:
         return Explainer(model, memory)

@@ -12,7 +12,21 @@ __all__ = ["Explanation", "ModuleRecord"]
 
 @dataclass
 class ModuleRecord:
-    """One module, one phase, one rank."""
+    """One module, one phase, one rank: a row of an :class:`Explanation`.
+
+    Attributes:
+        name: the module's qualified name in the model (``"encoder.layer.0"``).
+        kind: the module's class name.
+        phase: ``"forward"`` or ``"backward"``.
+        order: call order (forward) or the order its first autograd node ran (backward).
+        depth: nesting depth in the model.
+        inputs: the input layouts, e.g. ``"(2, 3, 32, 32) Shard(2) [9, 8, 8, 7]"``.
+        outputs: the output layouts.
+        events: ``(kind, bytes, peer, mesh_dim, label)`` of each message and collective
+            the module caused.
+        seconds: its time on this rank.
+        peak_bytes: its peak memory, or None when not measured (``memory=False``).
+    """
 
     name: str
     kind: str  # the module's class name
@@ -27,6 +41,8 @@ class ModuleRecord:
 
     @property
     def bytes_received(self) -> int:
+        """The bytes this rank received in this module (its ``recv`` messages plus the
+        payloads of its collectives)."""
         return sum(b for k, b, *_ in self.events if k == "recv") + sum(
             b for k, b, *_ in self.events if k not in ("send", "recv")
         )
@@ -43,11 +59,24 @@ def _cell(c) -> str:
 
 @dataclass
 class Explanation:
-    """Per rank, per module and phase: :class:`ModuleRecord` rows (``ranks[r]``)."""
+    """Per rank, per module and phase: :class:`ModuleRecord` rows (``ranks[r]``).
+
+    What :func:`shardlab.explain` returns. Plain data (picklable, drawn without a process
+    group): :meth:`table` (text; HTML in notebooks), :meth:`to_json`, :meth:`plot`,
+    :meth:`totals`.
+
+    Example::
+
+        ex = ranks.run(step)[0]          # step() returns shardlab.explain(model, x)
+        print(ex.table())
+        ex.totals(rank=1)                # {'messages': 12, 'collectives': 3, 'bytes': ...}
+        ex.plot()
+    """
 
     ranks: list[list[ModuleRecord]]
 
     def rows(self, rank: int = 0) -> list[ModuleRecord]:
+        """The :class:`ModuleRecord` rows of rank ``rank``, in call order."""
         return self.ranks[rank]
 
     def totals(self, rank: int) -> dict:
@@ -118,6 +147,7 @@ class Explanation:
         return f"<table><tr>{head}</tr>{body}</table>"
 
     def to_json(self) -> str:
+        """``{"ranks": [[row, ...], ...]}``: every :class:`ModuleRecord` as an object."""
         return json.dumps({"ranks": [[asdict(r) for r in rows] for rows in self.ranks]})
 
     def plot(self, ax=None, max_rows: int | None = None):

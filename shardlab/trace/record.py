@@ -91,7 +91,17 @@ _FUNCTIONAL = {
 def label(name: str, phase: str | None = None):
     """Name the cause of the messages sent inside the block.
 
-    ``with label("conv2d.halo", "forward"):`` tags events ``"conv2d.halo forward"``.
+    Args:
+        name: what sends them (``"conv2d.halo"``).
+        phase: appended after a space (``"forward"``), or None.
+
+    Communicates nothing; events recorded by :func:`trace` inside the block carry the
+    label (``Event.label``), and blocks nest (the innermost wins).
+
+    Example::
+
+        with shardlab.trace.label("my_op", "forward"):
+            dist.all_reduce(x)          # traced as label "my_op forward"
     """
     token = _LABEL.set(f"{name} {phase}" if phase else name)
     try:
@@ -101,6 +111,7 @@ def label(name: str, phase: str | None = None):
 
 
 def current_label() -> str:
+    """The label the innermost :func:`label` block sets here (``""`` outside any)."""
     return _LABEL.get()
 
 
@@ -364,12 +375,31 @@ class _KernelHook:
 def trace(mesh: Any = None):
     """Record every collective and point-to-point message inside the block.
 
+    Opened on a rank (``ranks.run``, a ``%%ranks`` cell, a torchrun script), it records
+    that rank's events; opened in the kernel that owns a :class:`shardlab.Ranks` pool,
+    every ``ranks.run`` inside the block is traced on every rank and the events come back.
+    ``shardlab.trace()`` is this function (the module is callable).
+
     Args:
         mesh: a DeviceMesh whose dims name the process groups (``Event.mesh_dim``);
             by default the rank's 1-D mesh.
 
     Yields a :class:`Trace`, filled when the block exits (on a rank, also
     while it runs).
+
+    Communicates:
+        Nothing of its own on a rank; from the kernel, each rank's events travel back
+        with the results of ``ranks.run``. While no trace is open nothing is installed.
+
+    Example::
+
+        def body():
+            x = torch.ones(4)
+            with shardlab.trace() as t:
+                dist.all_reduce(x)
+            return t.counts(), t.bytes()
+
+        ranks.run(body)          # [({'all_reduce': 1}, 16), ...] on every rank
     """
     import torch.distributed as dist
 

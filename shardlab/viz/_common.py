@@ -43,7 +43,12 @@ def rank_colour(rank: int) -> str:
 
 
 def human_bytes(n: int | float) -> str:
-    """``24 B``, ``1.5 KiB``, ``3.0 MiB``, ``2.0 GiB`` (powers of 1024)."""
+    """``24 B``, ``1.5 KiB``, ``3.0 MiB``, ``2.0 GiB`` (powers of 1024).
+
+    Example::
+
+        viz.human_bytes(1536)      # '1.5 KiB'
+    """
     n = float(n)
     if abs(n) < 1024:
         return f"{int(n)} B"

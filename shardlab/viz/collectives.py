@@ -21,6 +21,11 @@ def match_messages(events):
 
     ``pairs`` is a list of ``(send, recv)``; ``unmatched`` the sends and recvs left over (a
     send to an untraced rank, a recv whose send is missing, a send without a peer).
+
+    Example::
+
+        pairs, unmatched = viz.match_messages(t.events)
+        [(s.rank, r.rank, s.bytes) for s, r in pairs]    # (from, to, bytes) per message
     """
     sends, recvs = defaultdict(list), defaultdict(list)
     unmatched = []
@@ -88,6 +93,12 @@ def plot_collectives(trace, *, by="seq", ax=None, max_events=200, title=None):
     The figure carries ``shardlab_arrows`` (``(src, dst, bytes)`` per matched message),
     ``shardlab_dangling`` (``(src, dst, bytes, "send" | "recv")``), ``shardlab_collectives``
     (``(kind, group, ranks seen)``) and ``shardlab_lanes``.
+
+    Example::
+
+        with shardlab.trace() as t:          # in the kernel: every rank's events come back
+            ranks.run(step)
+        viz.plot_collectives(t)
     """
     if by not in ("seq", "time"):
         raise ValueError(f"by must be 'seq' or 'time', got {by!r}")

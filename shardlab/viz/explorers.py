@@ -12,6 +12,7 @@ the static figure for the initial values. ``static=True`` always returns the fig
 
 from __future__ import annotations
 
+import base64
 import html
 import warnings
 
@@ -68,13 +69,25 @@ def halo_explorer(*, static: bool | None = None, **initial):
 
     ``static``: None (default) = widgets if ipywidgets imports and a Jupyter kernel runs, else
     a warning and the static figure of the initial values; True = that figure; False = widgets.
+
+    Communicates nothing. In the docs (no kernel) it shows its initial state: the controls'
+    values, the figure and the table.
+
+    Example::
+
+        viz.halo_explorer(kernel=5, sizes="9,3,3,3", padding="same")
     """
     return _make(HaloExplorer, static, initial)
 
 
 def placement_explorer(*, static: bool | None = None, **initial):
     """Live :func:`plot_placements` with mesh, placements, shape, sizes and dims controls
-    (:class:`PlacementExplorer`); ``static`` as in :func:`halo_explorer`."""
+    (:class:`PlacementExplorer`); ``static`` as in :func:`halo_explorer`.
+
+    Example::
+
+        viz.placement_explorer(mesh="2,2", placements="Shard(0), Shard(1)", shape="8,6")
+    """
     return _make(PlacementExplorer, static, initial)
 
 
@@ -157,7 +170,30 @@ class _Explorer:
         raise NotImplementedError
 
     def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        """The live widget, and a static snapshot of it (``text/html``) for pages without a
+        kernel (the docs): the controls' values, the figure and the table. Front ends with
+        ipywidgets show the widget."""
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        if isinstance(bundle, tuple):  # (data, metadata)
+            bundle = bundle[0]
+        return {**bundle, "text/html": self.snapshot_html()}
+
+    def snapshot_html(self) -> str:
+        """The explorer's state as HTML: each control's value, the error or the figure (an
+        inline PNG at its own width), and the table."""
+        values = ", ".join(
+            f"{name} <code>{html.escape(str(value))}</code>"
+            for name, value in self.values().items()
+        )
+        parts = [f"<p class='shardlab-explorer-values'>{values}</p>"]
+        if self.error_message is not None:
+            parts.append(self.error.value)
+        else:
+            png = base64.b64encode(self.image.value).decode()
+            width = self.image.layout.width
+            parts.append(f"<img src='data:image/png;base64,{png}' style='width:{width}' alt=''>")
+            parts.append(self.table.value)
+        return f"<div class='shardlab-explorer'>{''.join(parts)}</div>"
 
 
 class HaloExplorer(_Explorer):
@@ -166,6 +202,12 @@ class HaloExplorer(_Explorer):
     evenly, typing sizes moves them), sizes_w (a second sharded dim: 2-D), bytes_per_row.
 
     ``figure`` is the current :func:`plot_halos` figure, ``bytes_sent`` ``{rank: bytes}``.
+
+    Example::
+
+        ex = viz.HaloExplorer(kernel=3, sizes="5,5,4,4")
+        ex.controls["kernel"].value = 5      # redraws
+        ex.bytes_sent                        # {0: 8, 1: 16, 2: 16, 3: 8}
     """
 
     DEFAULTS = dict(
@@ -233,6 +275,7 @@ class HaloExplorer(_Explorer):
 
     @property
     def plan(self):
+        """The halo plan of the current figure (``shardlab.layout.conv_plan``), or None."""
         return None if self.figure is None else self.figure.shardlab_plan
 
     @property
@@ -257,6 +300,11 @@ class PlacementExplorer(_Explorer):
     shape ("18,3"), sizes (blank: DTensor's even split; "5,5,4,4"; "[4,3], [2,2,1]"), dims
     (blank: automatic; "0,2"). ``figure`` is the current :func:`plot_placements` figure and
     ``local_shapes`` ``{rank: local shape}``.
+
+    Example::
+
+        ex = viz.PlacementExplorer(mesh="4", shape="18,3", sizes="5,5,4,4")
+        ex.local_shapes                      # {0: (5, 3), 1: (5, 3), 2: (4, 3), 3: (4, 3)}
     """
 
     DEFAULTS = dict(mesh="4", placements="Shard(0)", shape="18,3", sizes="5,5,4,4", dims="")
@@ -288,6 +336,7 @@ class PlacementExplorer(_Explorer):
 
     @property
     def local_shapes(self) -> dict[int, tuple[int, ...]]:
+        """``{rank: local shape}`` of the current layout (``{}`` while it shows an error)."""
         if self.figure is None:
             return {}
         layout = self.figure.shardlab_layout

@@ -70,6 +70,14 @@ def plot_halos(
     The figure carries ``shardlab_halos``: ``(dst, src, start, stop)`` per received run (2-D:
     ``(dst, src, (h0, h1), (w0, w1))``, ranks row-major), ``shardlab_sent`` (rows / elements
     sent per rank) and ``shardlab_plan``.
+
+    Communicates nothing: the plan is computed from the sizes (``shardlab.layout.conv_plan``),
+    the same plan the sharded convolution follows.
+
+    Example::
+
+        viz.plot_halos([5, 5, 4, 4], kernel_size=3, padding="same")       # 1-D, 4 ranks
+        viz.plot_halos([6, 6], 5, padding=2, sizes_w=[4, 4])               # 2 x 2 ranks
     """
     plan = _plan(sizes, kernel_size, stride, dilation, padding, padding_mode, transposed, sizes_w)
     require_matplotlib()

@@ -25,7 +25,13 @@ STACK_POINTS = 6.0  # display offset between stacked copies of a replicated bloc
 def as_layout(obj=None, *, mesh_shape=None, placements=None, global_shape=None, sizes=None):
     """A :class:`ShardLayout` from a layout, a ShardTensor (its ``.sharding``), a DTensor, a tensor
     plus ``mesh_shape`` and ``placements``, or ``mesh_shape`` + ``placements`` +
-    ``global_shape`` (+ ``sizes``)."""
+    ``global_shape`` (+ ``sizes``).
+
+    Example::
+
+        viz.as_layout(mesh_shape=(2, 2), placements=[Shard(0), Replicate()],
+                      global_shape=(6, 4), sizes=[[4, 2], None])
+    """
     explicit = mesh_shape is not None or placements is not None or global_shape is not None
     layout = obj if isinstance(obj, ShardLayout) else getattr(obj, "sharding", None)
     if isinstance(layout, ShardLayout):
@@ -109,6 +115,15 @@ def plot_placements(
     listed in the legend. The returned Figure carries ``shardlab_blocks``: one
     ``(rank, (row0, row1), (col0, col1))`` per rank, its global box along the drawn dims (a
     1-D view has rows ``(0, 1)``), ``shardlab_dims`` and ``shardlab_empty`` (empty ranks).
+
+    Communicates nothing: it draws a layout (call it in the kernel, or on one rank).
+
+    Example::
+
+        from shardlab import viz
+        viz.plot_placements(mesh_shape=(4,), placements=[Shard(0)], global_shape=(18, 3),
+                            sizes=[[5, 5, 4, 4]])
+        viz.plot_placements(st)          # a ShardTensor: its ``.sharding``
     """
     layout = as_layout(
         tensor_or_layout,

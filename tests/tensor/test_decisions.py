@@ -25,11 +25,12 @@ OPS = [
 
 def _body(seed):
     def body():
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
         import shardlab
         from shardlab import distribute, this_rank
         from shardlab.tensor import decisions
         from tests.tensor._cases import random_sizes
-        from torch.distributed.tensor import Partial, Replicate, Shard
 
         mesh = this_rank().mesh
         rng = random.Random(seed)
@@ -76,10 +77,11 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
     type, requires_grad, the mesh) misses; repeating it hits and adds nothing."""
 
     def body():
-        from shardlab import distribute, this_rank
-        from shardlab.tensor import decisions
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
+
+        from shardlab import distribute, this_rank
+        from shardlab.tensor import decisions
 
         mesh = this_rank().mesh
         other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
@@ -90,8 +92,9 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
             "shape": distribute(g[:, :5], mesh, [Shard(1)], [[3, 2]]),
             "dtype": distribute(g.double(), mesh, [Shard(1)], [[4, 2]]),
             "placement": distribute(g, mesh, [Replicate()]),
-            "strides": distribute(g.transpose(0, 2).contiguous(), mesh, [Shard(1)],
-                                  [[4, 2]]).transpose(0, 2),  # fmt: skip
+            "strides": distribute(
+                g.transpose(0, 2).contiguous(), mesh, [Shard(1)], [[4, 2]]
+            ).transpose(0, 2),  # fmt: skip
             "requires_grad": distribute(g, mesh, [Shard(1)], [[4, 2]]).requires_grad_(),
             "mesh": distribute(g, other, [Shard(1)], [[4, 2]]),
         }
@@ -119,9 +122,10 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
 
 def test_the_table_is_bounded_and_does_not_grow_in_a_loop(ranks_for):
     def body():
+        from torch.distributed.tensor import Shard
+
         from shardlab import distribute, this_rank
         from shardlab.tensor import decisions
-        from torch.distributed.tensor import Shard
 
         mesh = this_rank().mesh
         decisions.clear()

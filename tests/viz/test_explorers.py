@@ -170,3 +170,9 @@ def test_unknown_control_and_display(fast_png):
         placement_explorer(static=True, mesh_shape=(2,))
     bundle = PlacementExplorer()._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
+    # a static snapshot for pages without a kernel (the docs): values, figure, table
+    snapshot = bundle["text/html"]
+    assert "mesh <code>4</code>" in snapshot and "data:image/png;base64," in snapshot
+    assert "<table>" in snapshot
+    bad = HaloExplorer(sizes="5,x")._repr_mimebundle_()["text/html"]
+    assert "sizes" in bad and "data:image/png" not in bad

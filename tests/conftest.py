@@ -1,0 +1,46 @@
+"""The site (docs/): built once per session by the tests that need it."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+DOCS = ROOT / "docs"
+SITE = DOCS / "_build" / "html"
+# the docs build executes every tutorial (4 ranks each) on a cold cache
+DOCS_TIMEOUT = 1800
+
+
+def sphinx_build(*extra: str) -> tuple[float, str]:
+    """``python -m sphinx -W`` of docs/ into docs/_build/html: (seconds, output)."""
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [*cmd, str(DOCS), str(SITE)], cwd=ROOT, capture_output=True, text=True,
+        timeout=DOCS_TIMEOUT,
+    )  # fmt: skip
+    took = time.perf_counter() - start
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        noise = ("IPKernelApp", "alltoall yet")  # a kernel's start, gloo's Shard->Shard
+        lines = [line for line in out.splitlines() if not any(n in line for n in noise)]
+        pytest.fail(
+            f"sphinx-build -W failed (exit {proc.returncode}):\n" + "\n".join(lines[-80:]),
+            pytrace=False,
+        )
+    return took, out
+
+
+@pytest.fixture(scope="session")
+def docs_site() -> pathlib.Path:
+    """The built site (tutorials executed, warnings are errors); skipped without Sphinx."""
+    for name in ("sphinx", "myst_nb", "sphinx_book_theme", "sphinx_design", "jupytext"):
+        pytest.importorskip(name, reason='the docs need pip install -e ".[docs]"')
+    took, _ = sphinx_build()
+    print(f"docs built in {took:.1f} s")
+    return SITE
