@@ -93,6 +93,11 @@ def meta_call(fn, input, *args, **kwargs):
     return hit[1]
 
 
+def meta_like(t):
+    """A meta tensor of ``t``'s global shape and dtype (None stays None)."""
+    return None if t is None else torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
+
 def _meta_run(fn, input, args, kwargs):
     meta = torch.empty(tuple(input.shape), dtype=input.dtype, device="meta")
     return fn(meta, *args, **kwargs)

@@ -99,10 +99,12 @@ class OverlappedConv(torch.autograd.Function):
             return torch.convolution(t, w, b, stride, padding, dilation, False, zeros, groups)
 
         recv_bufs, works = post_halo(x, plan, peers, me, dim, offset, cause)  # 1.
-        window = _window(x, recv_bufs, plan, me, dim, first, before, width, received=False)
-        y = conv(window)  # 2. the interior final, the two ends provisional
-        for work in works:  # 3.
-            work.wait()
+        try:
+            window = _window(x, recv_bufs, plan, me, dim, first, before, width, received=False)
+            y = conv(window)  # 2. the interior final, the two ends provisional
+        finally:  # 3. (also when 2. raised: a posted receive left behind would take the
+            for work in works:  # peer's next message)
+                work.wait()
         _fill(window, recv_bufs, plan, me, dim)
         if o0 > 0:  # outputs 0 .. o0-1 read window rows 0 .. (o0-1)s + e
             y.narrow(dim, 0, o0).copy_(conv(window.narrow(dim, 0, (o0 - 1) * s + e)))

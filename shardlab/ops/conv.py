@@ -3,6 +3,8 @@
 An input ``(N, C, *spatial)`` sharded along spatial dims (any sizes, 1-D or 2-D
 mesh) or along the batch::
 
+    0. torch's own argument checks on meta tensors of the global shapes (the same
+       error on every rank, before any message; kept per signature)
     1. for each sharded spatial dim, in order: halo exchange (point to point,
        exactly the rows the local windows read; corners on a 2-D mesh travel
        with the second dim's exchange)               -> window (N, C, *W_local)
@@ -31,7 +33,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import conv_plan, same_padding
 from shardlab.layout._checks import placement_str
-from shardlab.ops._cnn_common import cut_once
+from shardlab.ops._cnn_common import cut_once, meta_call, meta_like
 from shardlab.ops._conv_overlap import OverlappedConv, interior
 from shardlab.ops.halo import Halo, WindowRecipe, peers_along
 from shardlab.ops.registry import register
@@ -122,6 +124,24 @@ def _conv(name: str, n: int, transposed: bool):
             raise ValueError(
                 f"{name}: expected a {n + 2}-D input (N, C, *{n} spatial dims), got {input.ndim}-D"
             )
+        # torch's own checks (channels, groups, kernel larger than the padded input …) on
+        # the global shapes: the same error on every rank, before any message
+        try:
+            meta_call(
+                torch_op,
+                input,
+                meta_like(weight),
+                meta_like(bias),
+                stride,
+                padding,
+                *rest,
+                **kwargs,
+            )
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{name}: input of global shape {list(input.shape)}, weight "
+                f"{list(weight.shape)}: {e}"
+            ) from None
         input = cut_once(name, input)  # a spatial dim cut by two mesh dims: by one
         mesh, layout = input.device_mesh, input.sharding
         k = tuple(weight.shape[2:])

@@ -47,16 +47,13 @@ from shardlab.ops._cnn_common import (
     check_no_partial,
     groups_over,
     meta_call,
+    meta_like,
     rewrap,
     sharding_mesh_dims,
     summed_grads,
 )
 from shardlab.ops._cnn_norm import NormSpec, SyncNorm
 from shardlab.ops.registry import register
-
-
-def _meta(t):
-    return None if t is None else torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
 
 
 def _no_channel_shard(name, input):
@@ -116,8 +113,8 @@ def batch_norm(
     input = check_input("batch_norm", input)
     _no_channel_shard("batch_norm", input)
     meta_call(
-        F.batch_norm, input, _meta(running_mean), _meta(running_var), _meta(weight),
-        _meta(bias), training, momentum, eps,
+        F.batch_norm, input, meta_like(running_mean), meta_like(running_var), meta_like(weight),
+        meta_like(bias), training, momentum, eps,
     )  # fmt: skip
     x = input.to_local()  # (N, C, *S_local)
     if not training:  # running statistics: local, no communication
@@ -147,7 +144,7 @@ def batch_norm(
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     input = check_input("group_norm", input)
     _no_channel_shard("group_norm", input)
-    meta_call(F.group_norm, input, num_groups, _meta(weight), _meta(bias), eps)
+    meta_call(F.group_norm, input, num_groups, meta_like(weight), meta_like(bias), eps)
     x, layout = input.to_local(), input.sharding  # (N, C, *S_local)
     spatial = list(range(2, input.ndim))
     if not sharding_mesh_dims(layout, spatial):  # per-sample statistics, whole samples
@@ -176,8 +173,8 @@ def instance_norm(
     input = check_input("instance_norm", input)
     _no_channel_shard("instance_norm", input)
     meta_call(
-        F.instance_norm, input, _meta(running_mean), _meta(running_var), _meta(weight),
-        _meta(bias), use_input_stats, momentum, eps,
+        F.instance_norm, input, meta_like(running_mean), meta_like(running_var), meta_like(weight),
+        meta_like(bias), use_input_stats, momentum, eps,
     )  # fmt: skip
     x, layout, mesh = input.to_local(), input.sharding, input.device_mesh  # (N, C, *S_local)
     spatial = list(range(2, input.ndim))
@@ -220,7 +217,7 @@ def instance_norm(
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     from shardlab.tensor.api import from_layout
 
-    meta_call(F.layer_norm, input, normalized_shape, _meta(weight), _meta(bias), eps)
+    meta_call(F.layer_norm, input, normalized_shape, meta_like(weight), meta_like(bias), eps)
     k = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
     dims = list(range(input.ndim - k, input.ndim))
     if not sharding_mesh_dims(input.sharding, dims):

@@ -288,30 +288,58 @@ def test_small_cnn_unchanged(ranks_for):
 
 
 def test_bad_input_is_a_clear_error_on_every_rank(ranks_for):
+    """Layouts shardlab does not support: its own error; arguments torch refuses: torch's
+    error type (checked on the global shapes, before any message), on every rank, also
+    where a rank owns no rows; and the ranks exchange correctly afterwards."""
+
     def body():
+        F = torch.nn.functional
         mesh = this_rank().mesh
         errors = []
         with shardlab.patched():
             x = distribute(torch.randn(1, 4, 6), mesh, [Shard(1)])
             try:
-                torch.nn.functional.conv1d(x, torch.randn(2, 4, 3))
+                F.conv1d(x, torch.randn(2, 4, 3))
             except NotImplementedError as exc:
                 errors.append(str(exc))
-            x = distribute(torch.randn(1, 2, 6), mesh, [Shard(2)])
-            try:
-                torch.nn.functional.conv1d(x, torch.randn(2, 2, 3), padding="sideways")
-            except ValueError as exc:
-                errors.append(str(exc))
-            try:
-                torch.nn.functional.conv1d(x, torch.randn(2, 2, 9))
-            except ValueError as exc:
-                errors.append(str(exc))
+            bad = [  # (input shape, weight shape, kwargs) torch refuses
+                ((1, 3, 9), (4, 5, 3), {}),  # channels
+                ((1, 2, 6), (2, 2, 9), {}),  # a kernel wider than the input
+                ((1, 3, 9), (4, 1, 3), {"groups": 2}),  # groups do not divide
+                ((1, 2, 6), (2, 2, 3), {"padding": "sideways"}),
+                ((1, 2, 6), (2, 2, 3), {"stride": 2, "padding": "same"}),
+            ]
+            for shape, wshape, kw in bad:
+                w = torch.randn(*wshape)
+                try:
+                    F.conv1d(torch.randn(*shape), w, **kw)
+                    expected = None
+                except Exception as exc:
+                    expected = type(exc)
+                for sizes in ([shape[2] - 1, 1], [shape[2], 0]):
+                    x = distribute(torch.randn(*shape), mesh, [Shard(2)], sizes)
+                    try:
+                        F.conv1d(x, w, **kw)
+                        errors.append(("no error", shape, wshape, kw, sizes))
+                    except Exception as exc:
+                        errors.append(
+                            (
+                                type(exc) is expected,
+                                "global shape" in str(exc) or "padding" in str(exc),
+                            )
+                        )
+            g = torch.randn(1, 2, 7)
+            w = torch.randn(3, 2, 3)
+            y = F.conv1d(distribute(g, mesh, [Shard(2)], [4, 3]), w, padding=1)
+            errors.append(torch.allclose(y.full_tensor(), F.conv1d(g, w, padding=1)))
         return errors
 
-    for errors in ranks_for(2).run(body):
-        assert len(errors) == 3
-        assert "Shard(dim=1)" in errors[0] or "Shard(1)" in errors[0]
-        assert "padding" in errors[1]
+    results = ranks_for(2).run(body)
+    assert results[0] == results[1]
+    errors = results[0]
+    assert "Shard(dim=1)" in errors[0] or "Shard(1)" in errors[0]
+    assert errors[1:-1] == [(True, True)] * 10, errors
+    assert errors[-1] is True
 
 
 def test_two_d_mesh_exact_bytes_with_corners(ranks_for):
