@@ -62,7 +62,7 @@ def _router(name: str):
             return wrapped(*args, **kwargs)
         from shardlab.ops.registry import call
 
-        return call(name, args, kwargs)
+        return call(name, args, kwargs)  # under torch.compile: eagerly (a graph break)
 
     return route
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shardlab.tensor import traced
+
 HANDLERS: dict[str, Callable] = {}
 ROW_WISE: set[str] = set()  # handlers that take strided dims as they are
 
@@ -33,6 +35,7 @@ def supported() -> list[str]:
     return sorted(HANDLERS)
 
 
+@traced.eager
 def call(name: str, args, kwargs):
     """``F.<name>(*args, **kwargs)`` with ShardTensor (or plain DTensor) arguments:
     the arguments prepared (:func:`shardlab.tensor.interop.prepare`: DTensors adopted,

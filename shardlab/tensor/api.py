@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
 from shardlab.layout import ShardLayout
-from shardlab.tensor import comm, recompute, submesh
+from shardlab.tensor import comm, recompute, submesh, traced
 from shardlab.tensor.losses import LOSSES, reduce_loss
 from shardlab.tensor.recompute import fenced
 
@@ -103,16 +103,15 @@ class ShardTensor(DTensor):
             self.device_mesh, layout.placements, layout.global_shape, self.stride(), self.dtype
         )
 
-    # -- torch.compile: the layout travels in the flatten context ----------
+    # -- torch.compile (shardlab.tensor.compile): torch's DTensor format -------
     def __tensor_flatten__(self):
-        return ["_local_tensor"], (self._spec, self.requires_grad, self._layout)
+        return DTensor.__tensor_flatten__(self)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        spec, requires_grad, layout = flatten_spec
-        local = inner_tensors["_local_tensor"]
-        out = ShardTensor(local, spec, requires_grad=requires_grad)
-        out._layout = layout
+        d = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
+        out = ShardTensor(d._local_tensor, d._spec, requires_grad=d.requires_grad)
+        out._layout = None  # a traced stand-in: its ops run eagerly on the real tensor
         return out
 
     # -- torch.distributed.checkpoint: the real boxes (shardlab.tensor.checkpoint) ----
@@ -133,13 +132,17 @@ class ShardTensor(DTensor):
 
     # -- what it is --------------------------------------------------------
     @property
+    @traced.eager
     def sharding(self) -> ShardLayout:
         """Who holds what, as a :class:`~shardlab.layout.ShardLayout` (placements and the
         exact size of every piece). ``x.layout`` stays torch's (``torch.strided``)."""
         return self._layout
 
+    @traced.eager
     def __repr__(self) -> str:
         lay = self._layout
+        if lay is None:
+            return f"ShardTensor(tracing stand-in, global {tuple(self.shape)}, {self.dtype})"
         from shardlab.layout import format_sizes
 
         places = ", ".join(
@@ -160,6 +163,7 @@ class ShardTensor(DTensor):
 
     # -- constructors ------------------------------------------------------
     @staticmethod
+    @traced.eager
     def from_local(
         local_tensor: torch.Tensor,
         device_mesh=None,
@@ -210,6 +214,7 @@ class ShardTensor(DTensor):
         return _FromLocal.apply(local_tensor, mesh, layout, stride)
 
     # -- leaving -----------------------------------------------------------
+    @traced.eager
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         """This rank's block (differentiable).
 
@@ -235,6 +240,7 @@ class ShardTensor(DTensor):
             grad_layout = self._layout.replace(placements=tuple(places))
         return _ToLocal.apply(self, grad_layout)
 
+    @traced.eager
     def redistribute(
         self, device_mesh=None, placements=None, *, sizes=None, async_op: bool = False, **_
     ) -> ShardTensor:
@@ -283,6 +289,7 @@ class ShardTensor(DTensor):
         out._whole_to_local = True
         return out
 
+    @traced.eager
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable).
 
@@ -299,7 +306,9 @@ class ShardTensor(DTensor):
         )
 
     @classmethod
+    @traced.eager
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        traced.check(func, args, kwargs)  # dynamo's stand-ins: a graph break
         kwargs = kwargs or {}
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             run = recompute.tensor_backward if func is torch.Tensor.backward else recompute.backward
@@ -324,9 +333,11 @@ class ShardTensor(DTensor):
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
+    @traced.eager
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from shardlab.tensor.dispatch import dispatch
 
+        traced.check(func, args, kwargs)
         return dispatch(func, args, kwargs or {})
 
 
@@ -583,6 +594,7 @@ def _global_shape_from_local(local_shape, placements, sizes, mesh) -> list[int]:
     return shape
 
 
+@traced.eager
 def scatter_tensor(tensor, src: int, device_mesh, placements, sizes=None) -> ShardTensor:
     """Split ``tensor``, which lives on global rank ``src`` only, over the mesh.
 
@@ -716,6 +728,7 @@ def _gather_blocks(local, src, mesh, layout):
     return full
 
 
+@traced.eager
 def distribute(tensor: torch.Tensor, device_mesh, placements, sizes=None) -> ShardTensor:
     """Every rank holds the same global ``tensor``: keep each rank's block (no communication).
 

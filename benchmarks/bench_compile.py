@@ -1,0 +1,146 @@
+"""``torch.compile`` on sharded models: eager vs compiled step time, graphs and graph breaks.
+
+``python benchmarks/bench_compile.py [--ranks 1,2,4] [--models resnet,llama]
+[--backend inductor] [--repeats 5]`` prints one row per (model, ranks): the zoo's
+``transformers`` models (``tests/models/_zoo.py``, float32, train mode), vision models on
+pixel values cut along H, decoders on input ids and labels cut along the sequence, with
+uneven sizes; a step is forward + backward of the model's own loss, unchanged, under
+``shardlab.patched()``.
+
+* eager / compiled ms: median of ``repeats`` steps after a warm-up, slowest rank;
+* compile s: the first compiled step (dynamo + the backend) less an eager step;
+* graphs / graph breaks / ops in graphs: dynamo's counters over the first compiled step
+  (``unique_graphs``, the graph breaks, ``calls_captured``); collectives: what the tracer
+  counts in one forward on rank 0 (collective and point-to-point calls);
+* exact: largest difference of the compiled step's logits and gradients against eager.
+
+shardlab's design (``shardlab/tensor/traced.py``): every ShardTensor op runs eagerly
+between graphs (a graph break), the plain-tensor code around it is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+import shardlab  # noqa: E402
+from tests.models import _zoo  # noqa: E402
+
+
+def body(name: str, backend: str, repeats: int):
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import Shard
+
+    from shardlab import distribute, this_rank
+
+    torch._dynamo.reset()
+    mesh = this_rank().mesh
+    n = mesh.size()
+    if name in _zoo.DECODERS:
+        model = _zoo.decoder(name)
+        ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(3))
+        full, labels, dim = {"input_ids": ids}, ids, 1
+    else:
+        model, _ = _zoo.vision(name)
+        g = torch.randn(_zoo.IMAGE, generator=torch.Generator().manual_seed(1))
+        full, labels, dim = {"pixel_values": g}, torch.tensor([1] * _zoo.IMAGE[0]), 2
+    model.train()
+    sizes = _zoo.uneven(next(iter(full.values())).shape[dim], n)
+
+    def inputs():
+        st = {k: distribute(v, mesh, [Shard(dim)], sizes) for k, v in full.items()}
+        lab = distribute(labels, mesh, [Shard(1)], sizes) if name in _zoo.DECODERS else labels
+        return st, lab
+
+    def step(m):
+        st, lab = inputs()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = m(**st, labels=lab)
+        out.loss.backward()
+        took = time.perf_counter() - t0
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return took, out.logits.detach().full_tensor(), grads
+
+    with shardlab.patched():
+        _, logits_e, grads_e = step(model)  # warm-up (and the decision caches)
+        eager = [step(model)[0] for _ in range(repeats)]
+        compiled_model = torch.compile(model, backend=backend)
+        counters.clear()
+        first, logits_c, grads_c = step(compiled_model)
+        graphs = counters["stats"]["unique_graphs"]
+        ops = counters["stats"]["calls_captured"]
+        breaks = sum(counters["graph_break"].values())
+        compiled = [step(compiled_model)[0] for _ in range(repeats)]
+        st, lab = inputs()
+        with shardlab.trace() as t:
+            model(**st, labels=lab)
+    mine = [e for e in t.events if e.rank == dist.get_rank()]
+    err = (logits_c - logits_e).abs().max().item()
+    err = max([err] + [(a - b).abs().max().item() for a, b in zip(grads_c, grads_e)])
+    return {
+        "eager": statistics.median(eager),
+        "compiled": statistics.median(compiled),
+        "compile": first - statistics.median(eager),
+        "graphs": graphs,
+        "breaks": breaks,
+        "ops": ops,
+        "collectives": len(mine),
+        "err": err,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--models", default="resnet,llama")
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    rows = []
+    for world in [int(w) for w in args.ranks.split(",")]:
+        with shardlab.Ranks(world, timeout=600) as ranks:
+            for name in args.models.split(","):
+                res = ranks.run(body, name, args.backend, args.repeats)
+                r0 = res[0]
+                rows.append(
+                    (
+                        name,
+                        world,
+                        max(r["eager"] for r in res) * 1e3,
+                        max(r["compiled"] for r in res) * 1e3,
+                        max(r["compile"] for r in res),
+                        r0["graphs"],
+                        r0["breaks"],
+                        r0["ops"],
+                        r0["collectives"],
+                        max(r["err"] for r in res),
+                    )
+                )
+    print(
+        f"torch {torch.__version__}, backend {args.backend}, gloo ranks on {os.cpu_count()} "
+        "cores, float32, forward + backward of the model's loss\n"
+    )
+    print(
+        "| model | ranks | eager ms | compiled ms | compiled / eager | compile s | graphs "
+        "| graph breaks | ops in graphs | collectives + messages (fwd) | max diff vs eager |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[3] / r[2]:.2f} | {r[4]:.1f} "
+            f"| {r[5]} | {r[6]} | {r[7]} | {r[8]} | {r[9]:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

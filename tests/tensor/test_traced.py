@@ -1,0 +1,315 @@
+"""``torch.compile`` of code that touches ShardTensors (``shardlab/tensor/traced.py``):
+never fails, equal to the uncompiled sharded call and to one device, forward and
+backward, with the backends ``eager``, ``aot_eager`` and ``inductor``; a graph is never
+reused for other shard sizes; plain models under ``shardlab.patched()`` still compile
+whole."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+BACKENDS = ["eager", "aot_eager", "inductor"]
+ROOT = pathlib.Path(__file__).parents[2]
+
+# the issue's ops, and plain-tensor code around sharded ops (what compiles)
+FNS = {
+    "mean": lambda t: t.mean(),
+    "sum(1)": lambda t: t.sum(1),
+    "softmax": lambda t: t.softmax(-1),
+    "view": lambda t: t.view(5, 2, 6) * 2,
+    "mixed": lambda t: torch.sin((t * 2).sum(0)) + torch.arange(6.0, dtype=t.dtype).cos(),
+}
+
+
+def _ops_body(mesh_shape, sizes, backends):
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        import shardlab
+
+        me = shardlab.this_rank()
+        mesh = me.mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        places = [Shard(0)] if len(mesh_shape) == 1 else [Shard(0), Shard(1)]
+        if len(mesh_shape) == 2 and sizes is None:
+            places = [Shard(0), Replicate()]
+        x = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        bad = []
+        for backend in backends:
+            torch._dynamo.reset()
+            for name, fn in FNS.items():
+                want_x = x.clone().requires_grad_()
+                want = fn(want_x)
+                want.sum().backward()
+                results = []
+                for run in (fn, torch.compile(fn, backend=backend)):
+                    leaf = x.clone().requires_grad_()
+                    st = shardlab.distribute(leaf, mesh, places, sizes)
+                    out = run(st)
+                    out.sum().backward()
+                    results.append((out.full_tensor(), leaf.grad))
+                for label, (out, grad) in zip(("eager", "compiled"), results):
+                    if not (torch.allclose(out, want) and torch.allclose(grad, want_x.grad)):
+                        bad.append((backend, name, label))
+        return bad
+
+    return body
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "world, mesh_shape, sizes",
+    [
+        (2, (2,), [[7, 3]]),
+        (3, (3,), [[0, 6, 4]]),  # an empty shard
+        (4, (2, 2), [[6, 4], [1, 5]]),  # 2-D mesh: rows and columns, uneven
+    ],
+    ids=["2-uneven", "3-empty-shard", "2x2-mesh"],
+)
+def test_the_ops_compile_exactly(ranks_for, world, mesh_shape, sizes):
+    backends = BACKENDS if world == 2 else ["aot_eager"]
+    assert ranks_for(world).run(_ops_body(mesh_shape, sizes, backends)) == [[]] * world
+
+
+def test_other_shard_sizes_never_reuse_a_graph(ranks_for):
+    """[7, 3] then [5, 5] then [7, 3]: values right every call, also for code compiled on
+    the local blocks (guarded by torch on their shapes) and for sizes that keep rank 0's
+    block (guards see rank 0's local shape unchanged: nothing in its graph depends on the
+    sizes)."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        torch._dynamo.reset()
+        x = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+        def fn(t):
+            local = t.to_local() * 3  # plain-tensor code on this rank's block
+            return t.softmax(-1).sum(0) * 2, local.sum(0)
+
+        compiled = torch.compile(fn, backend="inductor")
+        bad = []
+        for sizes in ([7, 3], [5, 5], [7, 3], [7, 3], [4, 6], [4, 6]):
+            st = shardlab.distribute(x, mesh, [Shard(0)], [sizes])
+            got, local = compiled(st)
+            want = x.softmax(-1).sum(0) * 2
+            mine = x[: sizes[0]] if shardlab.this_rank().rank == 0 else x[sizes[0] :]
+            if not torch.allclose(got.full_tensor(), want):
+                bad.append((sizes, "global"))
+            if not torch.allclose(local, (mine * 3).sum(0)):
+                bad.append((sizes, "local"))
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
+
+
+def _tutorial_unet():
+    """Tutorial 09's ``block`` and ``UNet``, as the notebook defines them."""
+    source = (ROOT / "tutorials" / "09_capstone_unet.py").read_text()
+    tree = ast.parse(source)
+    keep = [n for n in tree.body if getattr(n, "name", None) in ("block", "UNet")]
+    assert len(keep) == 2
+    return ast.unparse(ast.Module(body=keep, type_ignores=[]))
+
+
+def _models_body(unet_source, backends):
+    def body():
+        import torch.nn as nn
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        me = shardlab.this_rank()
+        namespace = {"nn": nn, "F": F, "torch": torch}
+        exec(unet_source, namespace)
+        torch.manual_seed(0)
+        models = {
+            "conv stack": nn.Sequential(
+                nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 3, 3, padding=1)
+            ),
+            "tutorial 09 U-Net": namespace["UNet"](),
+        }
+        bad = []
+        for name, model in models.items():
+            model = model.double().train()
+            cin = model[0].in_channels if name == "conv stack" else 1
+            img = torch.randn(2, cin, 20, 12, dtype=torch.float64)
+            if me.world_size == 4:  # 2-D mesh: H and W cut
+                mesh = init_device_mesh("cpu", (2, 2))
+                places, sizes = [Shard(2), Shard(3)], [[12, 8], [4, 8]]
+            else:
+                mesh, places, sizes = me.mesh, [Shard(2)], [[12, 8]]
+            ref = __import__("copy").deepcopy(model)
+            xr = img.clone().requires_grad_()
+            yr = ref(xr)
+            (yr * yr).sum().backward()
+            for backend in backends:
+                torch._dynamo.reset()
+                with shardlab.patched():
+                    compiled = torch.compile(model, backend=backend)
+                    for _ in range(2):  # the first call compiles, the second reuses
+                        leaf = img.clone().requires_grad_()
+                        y = compiled(shardlab.distribute(leaf, mesh, places, sizes))
+                        (y * y).sum().backward()
+                        grads = [p.grad for p in model.parameters()]
+                        ok = torch.allclose(y.full_tensor(), yr) and torch.allclose(
+                            leaf.grad, xr.grad
+                        )
+                        ok = ok and all(
+                            torch.allclose(g, p.grad) for g, p in zip(grads, ref.parameters())
+                        )
+                        model.zero_grad()
+                        if not ok:
+                            bad.append((name, backend))
+        return bad
+
+    return body
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 4])
+def test_conv_stack_and_the_tutorial_unet_compile_exactly(ranks_for, world):
+    backends = ["aot_eager", "inductor"] if world == 2 else ["aot_eager"]
+    body = _models_body(_tutorial_unet(), backends)
+    assert ranks_for(world).run(body) == [[]] * world
+
+
+@pytest.mark.timeout(900)
+def test_transformers_models_compile_exactly(ranks_for):
+    pytest.importorskip("transformers")
+
+    def body():
+        import copy
+
+        import torch.distributed as dist
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from tests.models import _zoo
+
+        mesh = shardlab.this_rank().mesh
+        bad = []
+        for name in ("resnet", "vit", "llama"):
+            torch.manual_seed(0)  # the same weights on every rank
+            if name in _zoo.DECODERS:
+                model = _zoo.decoder(name).double()
+                ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator())
+                full, labels, dim = {"input_ids": ids}, ids, 1
+            else:
+                model = _zoo.vision(name)[0].double()
+                g = torch.Generator().manual_seed(1)
+                full = {"pixel_values": torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=g)}
+                labels, dim = torch.tensor([1] * _zoo.IMAGE[0]), 2
+            model.train()
+            sizes = _zoo.uneven(next(iter(full.values())).shape[dim], mesh.size())
+
+            def step(m, sharded, full=full, labels=labels, dim=dim, sizes=sizes):
+                xs, lab = full, labels
+                if sharded:
+                    xs = {
+                        k: shardlab.distribute(v, mesh, [Shard(dim)], sizes)
+                        for k, v in full.items()
+                    }
+                    if dim == 1:
+                        lab = shardlab.distribute(labels, mesh, [Shard(1)], sizes)
+                out = m(**xs, labels=lab)
+                out.loss.backward()
+                grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+                m.zero_grad(set_to_none=True)
+                logits = out.logits.detach()
+                return (logits.full_tensor() if sharded else logits), grads
+
+            # one device on rank 0, on a copy: the ranks' BatchNorm buffers must stay alike
+            one = step(copy.deepcopy(model), False) if dist.get_rank() == 0 else None
+            for backend in ("aot_eager", "inductor"):
+                torch._dynamo.reset()
+                with shardlab.patched():
+                    eager = step(model, True)
+                    compiled_model = torch.compile(model, backend=backend)
+                    compiled = [step(compiled_model, True) for _ in range(2)]
+                for logits, grads in compiled:
+                    assert len(grads) == len(eager[1]) > 0
+                    same = torch.equal(logits, eager[0]) or torch.allclose(logits, eager[0])
+                    same = same and all(torch.allclose(a, b) for a, b in zip(grads, eager[1]))
+                    if one is not None:
+                        same = same and torch.allclose(logits, one[0])
+                        same = same and all(torch.allclose(a, b) for a, b in zip(grads, one[1]))
+                    if not same:
+                        d = [(logits - eager[0]).abs().max().item()]
+                        if one is not None:
+                            d += [(logits - one[0]).abs().max().item()]
+                            d += [max((a - b).abs().max().item() for a, b in zip(grads, one[1]))]
+                        bad.append((name, backend, d))
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
+
+
+def test_plain_models_still_compile_whole_under_patched():
+    """The patched ``torch.nn.functional`` entry points cost plain tensors no graph break."""
+    import torch.nn as nn
+
+    import shardlab
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 2, 3, padding=1))
+    x = torch.randn(1, 3, 8, 8)
+    with shardlab.patched():
+        explained = torch._dynamo.explain(model)(x)
+        got = torch.compile(model, backend="aot_eager")(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    assert torch.allclose(got, model(x), atol=1e-6)
+
+
+def test_bad_input_in_compiled_code_raises_on_every_rank(ranks_for):
+    """torch's error, on every rank, not a hang: the sharded op runs eagerly and checks
+    the global layouts as it does uncompiled."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        torch._dynamo.reset()
+        x = shardlab.distribute(torch.randn(1, 3, 9, 8), mesh, [Shard(2)], [[6, 3]])
+        w = torch.randn(4, 5, 3, 3)  # 5 input channels for a 3-channel image
+
+        def fn(t):
+            return F.conv2d(t * 2, w, padding=1)
+
+        with shardlab.patched():
+            try:
+                torch.compile(fn, backend="aot_eager")(x)
+            except RuntimeError as e:
+                return type(e).__name__, "global shape [1, 3, 9, 8]" in str(e)
+        return None
+
+    assert ranks_for(2).run(body) == [("RuntimeError", True)] * 2
+
+
+def test_a_stand_in_asks_for_a_graph_break():
+    """The rule itself, without a process group: a ShardTensor without its layout (what
+    dynamo rebuilds from torch's flatten format) makes dynamo's ``Unsupported``."""
+    from torch._dynamo.exc import Unsupported
+
+    from shardlab.tensor import traced
+
+    class StandIn:
+        _layout = None
+
+    with pytest.raises(Unsupported, match="ShardTensor op"):
+        traced.check(torch.ops.aten.add.Tensor, (StandIn(), 1), {})
+    with pytest.raises(Unsupported):
+        traced.check(torch.ops.aten.cat.default, ([torch.ones(1), StandIn()],), {})
+    traced.check(torch.ops.aten.add.Tensor, (torch.ones(1), 2), {"alpha": 1})  # no break
