@@ -68,7 +68,7 @@ myst_enable_extensions = ["colon_fence", "dollarmath"]
 myst_heading_anchors = 3
 
 # -- API (autodoc / autosummary) ----------------------------------------------------------
-autosummary_generate = True
+autosummary_generate = True  # the list of API pages, set by shardlab_docs at build time
 autosummary_imported_members = True
 autodoc_default_options = {"members": True, "undoc-members": True, "member-order": "bysource"}
 autodoc_typehints = "description"

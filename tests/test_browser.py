@@ -64,7 +64,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
+def chromium():
+    """One headless Chromium for the module (Playwright's sync API runs one at a time)."""
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"],
+        )  # fmt: skip
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, chromium):
     """A JupyterLab server on the tutorials folder (a copy: Run All does not dirty them)."""
     work = tmp_path_factory.mktemp("lab")
     for f in ROOT.joinpath("tutorials").iterdir():
@@ -88,18 +103,11 @@ def lab(tmp_path_factory):
     else:
         proc.kill()
         pytest.fail("JupyterLab did not start in 60 s")
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )  # fmt: skip
-        try:
-            yield browser, f"http://127.0.0.1:{port}", token
-        finally:
-            browser.close()
-            proc.terminate()
-            proc.wait(timeout=30)
+    try:
+        yield chromium, f"http://127.0.0.1:{port}", token
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 # code cells with source whose prompt is not numbered yet (empty cells never run)
@@ -193,24 +201,17 @@ SITE_TUTORIALS = sorted(ROOT.joinpath("tutorials").glob("[0-9]*.py"))
 
 
 @pytest.fixture(scope="module")
-def site(docs_site):
+def site(docs_site, chromium):
     """The built site on a local HTTP server, and a Chromium to look at it."""
     handler = functools.partial(_QuietHandler, directory=str(docs_site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )  # fmt: skip
-        try:
-            yield browser, f"http://127.0.0.1:{server.server_address[1]}", docs_site
-        finally:
-            browser.close()
-            server.shutdown()
-            server.server_close()
+    try:
+        yield chromium, f"http://127.0.0.1:{server.server_address[1]}", docs_site
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

@@ -120,7 +120,7 @@ def _write_if_changed(path: pathlib.Path, text: str) -> None:
         path.write_text(text)
 
 
-def write_api_pages(app) -> None:
+def write_api_pages(app, config) -> None:
     api = pathlib.Path(app.srcdir) / "api"
     pages = public_names()
     for modname, names, modules in pages:
@@ -137,6 +137,11 @@ def write_api_pages(app) -> None:
     toc = ["# API reference", "", API_INTRO, "", "```{toctree}", ":maxdepth: 1", ""]
     toc += [m for m, _, _ in pages] + ["```", ""]
     _write_if_changed(api / "index.md", "\n".join(toc))
+    # autosummary writes a page per name for the files named here; left at True it reads
+    # the list of sources from the environment, which a cold build (no pickled
+    # environment yet) has not filled when it runs: no page would be written. Set before
+    # the pickled environment's configuration is compared, so a rebuild stays cached.
+    config.autosummary_generate = [f"api/{m}.rst" for m, names, _ in pages if names]
 
 
 API_INTRO = """\
@@ -197,7 +202,7 @@ def _launch_only_on_tutorials(app, pagename, templatename, context, doctree):
 
 
 def setup(app):
-    app.connect("builder-inited", write_api_pages, priority=100)  # before autosummary
+    app.connect("config-inited", write_api_pages)  # before autosummary, before the env
     app.connect("source-read", _note_sources)
     app.connect("autodoc-process-docstring", _check_docstring)
     app.connect("autodoc-skip-member", _skip_inherited)
