@@ -110,18 +110,24 @@ class LocalCall:
     ``moves[i]``: what becomes of argument i (positional, then keyword values in order):
     None (as it is: a scalar, or a ShardTensor whose block is used as it is), a layout (a
     ShardTensor moved there first, or a plain tensor cut to it: a slice, no message).
+    ``outs``: ``(layout, stride, dtype)`` of each result; ``many``: the op returns a
+    tuple of them (``native_layer_norm``'s output, mean and rstd), else one tensor.
     """
 
-    __slots__ = ("moves", "mesh", "layout", "spec", "local_shape", "cause")
+    __slots__ = ("moves", "mesh", "outs", "many", "cause")
 
-    def __init__(self, moves, mesh, layout, stride, dtype, cause):
+    def __init__(self, moves, mesh, outs, many, cause):
         from shardlab import _compat
         from shardlab.tensor.comm import my_coord
 
-        self.moves, self.mesh, self.layout, self.cause = tuple(moves), mesh, layout, cause
-        self.spec = _compat.dtensor_spec(mesh, layout.placements, layout.global_shape,
-                                         tuple(stride), dtype)  # fmt: skip
-        self.local_shape = layout.local_shape(my_coord(mesh))
+        self.moves, self.mesh, self.many, self.cause = tuple(moves), mesh, many, cause
+        me = my_coord(mesh)
+        self.outs = tuple(
+            (layout, layout.local_shape(me),
+             _compat.dtensor_spec(mesh, layout.placements, layout.global_shape, tuple(stride),
+                                  dtype))
+            for layout, stride, dtype in outs
+        )  # fmt: skip
 
     def __call__(self, func, args, kwargs):
         n = len(args)
@@ -130,13 +136,18 @@ class LocalCall:
             k: self._local(v, self.moves[n + j]) for j, (k, v) in enumerate(kwargs.items())
         }
         out = func(*local_args, **local_kwargs)
-        if tuple(out.shape) != self.local_shape:
+        if not self.many:
+            return self._wrap(func, out, *self.outs[0])
+        return tuple(self._wrap(func, o, *how) for o, how in zip(out, self.outs))
+
+    def _wrap(self, func, out, layout, local_shape, spec):
+        if tuple(out.shape) != local_shape:
             raise RuntimeError(
                 f"shardlab internal error: {func} gave a local block of shape "
-                f"{tuple(out.shape)} where {self.layout} needs {self.local_shape}; please report it"
+                f"{tuple(out.shape)} where {layout} needs {local_shape}; please report it"
             )
-        wrapped = _shard_tensor()(out.detach(), self.spec, requires_grad=False)
-        wrapped._layout = self.layout
+        wrapped = _shard_tensor()(out.detach(), spec, requires_grad=False)
+        wrapped._layout = layout
         return wrapped
 
     def _local(self, a, move):

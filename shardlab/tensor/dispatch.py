@@ -66,16 +66,21 @@ def dispatch(func, args, kwargs):
 
 def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
     """Keep the decision just taken, when it was a local call (see :mod:`.decisions`)."""
-    if not isinstance(out, c.shard_tensor_cls()) or getattr(out, "_writeback", None):
+    st = c.shard_tensor_cls()
+    many = type(out) is tuple and type(raw) is tuple and len(out) > 0
+    outs = out if many else (out,)
+    if not all(isinstance(o, st) and not getattr(o, "_writeback", None) for o in outs):
         return
-    how = getattr(raw, "_decided", None)
-    if how is None and elementwise:
+    how = getattr(raw[0] if many else raw, "_decided", None)
+    if how is None and elementwise and not many:
         how = replay(func, args, kwargs, out)
     if how is not None:
-        moves, mesh, target, cause = how
-        decisions.remember(
-            key, decisions.LocalCall(moves, mesh, target, out.stride(), out.dtype, cause)
-        )
+        moves, mesh, layouts, cause = how
+        layouts = layouts if many else (layouts,)
+        if [o._layout for o in outs] != list(layouts):
+            return  # not what the rule said it made: decide in full every time
+        outs = [(o._layout, o.stride(), o.dtype) for o in outs]
+        decisions.remember(key, decisions.LocalCall(moves, mesh, outs, many, cause))
 
 
 _WRITTEN: dict = {}

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 OPS = [
     lambda a, b: a + b,
@@ -20,6 +21,18 @@ OPS = [
     lambda a, b: a.transpose(0, 2).permute(2, 1, 0) + b.transpose(0, 1).transpose(0, 1),
     lambda a, b: a @ b.transpose(-1, -2),  # bmm: its operands move first
     lambda a, b: (a.flatten(0, 1) @ b[0].T.contiguous()).t(),  # mm
+    lambda a, b: a.sum(-1) + b.sum(2, keepdim=True)[..., 0],  # reductions: uncut dims
+    lambda a, b: a.sum(1) * 2 + b.sum(),  # a cut dim: a Partial sum, then reduced
+    lambda a, b: a.sum((0, 2), keepdim=True, dtype=torch.float64),
+    lambda a, b: a.mean(-1) - b.mean(2) + a.mean(1).sum(),  # over a cut dim: sum / count
+    lambda a, b: a.softmax(-1) * b.log_softmax(2),
+    lambda a, b: a.softmax(1) + b.softmax(0),  # cut: torch's decomposition
+    lambda a, b: torch.flip(a, [2]) + a.cumsum(-1) - b.cumsum(1),
+    lambda a, b: (
+        F.layer_norm(a, a.shape[-1:], b.sum((0, 1)), b[:1].sum((0, 1)))
+        + F.layer_norm(b, b.shape[1:])
+    ),
+    lambda a, b: torch.sort(a, -1).values + torch.topk(b, 1, 0).values,  # not tuples: full path
 ]
 
 

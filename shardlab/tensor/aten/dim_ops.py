@@ -112,22 +112,28 @@ def _along_dims(func, args, kwargs):
             return _cumsum(x, dims[0], kwargs.get("dtype", _at(args, kwargs, 2, "dtype")))
         x = c.move(x, _whole_on(x._layout, dims), f"auto-redistribute for {c.op_name(func)}")
     mesh = x.device_mesh
+    unmoved = x is args[0]
     moved_args[0] = x._local_tensor
     for i in spec[0][1:]:
         a = c.reduced(args[i], f"{c.op_name(func)}.partial")
-        moved_args[i] = c.move(
-            a, restrict(x._layout, a.shape, [False] * mesh.ndim), f"{c.op_name(func)}.align"
-        )._local_tensor
+        a = c.move(a, restrict(x._layout, a.shape, [False] * mesh.ndim), f"{c.op_name(func)}.align")
+        unmoved = unmoved and a is args[i]
+        moved_args[i] = a._local_tensor
+    for i, a in enumerate(args):  # other ShardTensors (layer norm's weight): whole
+        if i not in spec[0] and isinstance(a, c.shard_tensor_cls()):
+            moved_args[i] = c.replicated(a, f"{c.op_name(func)}.align")
+            unmoved = unmoved and moved_args[i] is a
     local_args, local_kwargs = c.locals_of((moved_args, kwargs))
-    local_args = _replicate_rest(local_args, mesh)
-    out = func(*local_args, **local_kwargs)
-    return _wrap_like(out, x, dims, mesh)
-
-
-def _replicate_rest(local_args, mesh):
-    """Other ShardTensor args (layer norm's weight): whole on every rank."""
+    out = _wrap_like(func(*local_args, **local_kwargs), x, dims, mesh)
     st = c.shard_tensor_cls()
-    return [c.replicated(a, "align")._local_tensor if isinstance(a, st) else a for a in local_args]
+    if unmoved:  # the op on the blocks as they are: the decision can be kept for the
+        # signature (shardlab.tensor.decisions); a tuple of results carries it on its first
+        keep = [None] * (len(args) + len(kwargs))
+        if isinstance(out, st):
+            out._decided = (keep, mesh, out._layout, "")
+        elif type(out) is tuple and out and all(isinstance(o, st) for o in out):
+            out[0]._decided = (keep, mesh, tuple(o._layout for o in out), "")
+    return out
 
 
 def _wrap_like(out, x, dims, mesh):

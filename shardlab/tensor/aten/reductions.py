@@ -61,12 +61,15 @@ def _sum(func, args, kwargs):
     else:
         dims = _dims(x, _arg(args, kwargs, 1, "dim", None))
         keepdim, dtype = _arg(args, kwargs, 2, "keepdim", False), kwargs.get("dtype")
+    layout = reduce_layout(x._layout, dims, keepdim, "sum")
+    if dims and x is args[0]:  # the op itself on the block (a cut dim: its Partial sum)
+        return c.local_call(func, args, kwargs, x.device_mesh, layout)
     local = (
         aten.sum.dim_IntList(x._local_tensor, dims, keepdim, dtype=dtype)
         if dims
         else (x._local_tensor.clone() if dtype is None else x._local_tensor.to(dtype))
     )
-    return c.wrap(local, x.device_mesh, reduce_layout(x._layout, dims, keepdim, "sum"))
+    return c.wrap(local, x.device_mesh, layout)
 
 
 @register(aten.mean.default, aten.mean.dim)
@@ -79,6 +82,13 @@ def _mean(func, args, kwargs):
         dims = _arg(args, kwargs, 1, "dim", None)
         keepdim, dtype = _arg(args, kwargs, 2, "keepdim", False), kwargs.get("dtype")
     dims = _dims(x, dims)
+    if (
+        dims
+        and not any(isinstance(p, Partial) for p in x._layout.placements)
+        and not _cut(x._layout, dims)
+    ):  # no cut dim reduced: the op itself on the block
+        layout = reduce_layout(x._layout, dims, keepdim, "sum")
+        return c.local_call(func, args, kwargs, x.device_mesh, layout)
     count = 1
     for d in dims:
         count *= x.shape[d]
