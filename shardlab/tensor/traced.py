@@ -25,7 +25,10 @@ graphs are guarded by torch on the local shapes they see.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 
 __all__ = ["eager", "graph_break", "is_stand_in"]
 
@@ -52,9 +55,31 @@ def graph_break(what: str):
 
 
 def eager(fn):
-    """``fn`` and everything it calls run eagerly, also when called from compiled code
-    (dynamo breaks the graph at the call and never traces inside; ~0.3 µs a call)."""
-    return torch.compiler.disable(fn, recursive=True)
+    """``fn`` and everything it calls run eagerly, also when called from compiled code:
+    dynamo breaks the graph at the call and never traces inside.
+
+    Outside ``torch.compile`` (no dynamo callback installed: every eager program) the
+    call goes straight to ``fn``; only under dynamo does it pass through
+    ``torch.compiler.disable`` (which costs ~1.5 µs, and an op on a ShardTensor passes
+    several of these entry points)."""
+    disabled = torch.compiler.disable(fn, recursive=True)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if _callback() is None:
+            return fn(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    call._torchdynamo_disable = True  # dynamo never inlines it: a graph break, called as is
+    return call
+
+
+def _skip_own_frame(code) -> None:
+    """dynamo never compiles the frame of ``eager``'s wrapper itself (what it calls is
+    disabled, or runs with no dynamo at all)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(code)
 
 
 def check(func, args, kwargs) -> None:
@@ -69,3 +94,6 @@ def check(func, args, kwargs) -> None:
         for a in kwargs.values():
             if getattr(a, "_layout", 0) is None:
                 graph_break(getattr(func, "__name__", str(func)))
+
+
+_skip_own_frame(eager(len).__code__)
