@@ -1,13 +1,14 @@
 """``torch.compile`` on sharded models: eager vs compiled step time, graphs and graph breaks.
 
 ``python benchmarks/bench_compile.py [--ranks 1,2,4] [--models resnet,llama]
-[--backend inductor] [--repeats 5]`` prints one row per (model, ranks): the zoo's
+[--backend inductor] [--repeats 15]`` prints one row per (model, ranks): the zoo's
 ``transformers`` models (``tests/models/_zoo.py``, float32, train mode), vision models on
 pixel values cut along H, decoders on input ids and labels cut along the sequence, with
 uneven sizes; a step is forward + backward of the model's own loss, unchanged, under
 ``shardlab.patched()``.
 
-* eager / compiled ms: median of ``repeats`` steps after a warm-up, slowest rank;
+* eager / compiled ms: median of ``repeats`` steps each, after a warm-up, alternated
+  (eager, compiled, eager, ...), slowest rank;
 * compile s: the first compiled step (dynamo + the backend) less an eager step;
 * graphs / graph breaks / ops in graphs: dynamo's counters over the first compiled step
   (``unique_graphs``, the graph breaks, ``calls_captured``); collectives: what the tracer
@@ -73,14 +74,18 @@ def body(name: str, backend: str, repeats: int):
 
     with shardlab.patched():
         _, logits_e, grads_e = step(model)  # warm-up (and the decision caches)
-        eager = [step(model)[0] for _ in range(repeats)]
+        warm = [step(model)[0] for _ in range(3)]
         compiled_model = torch.compile(model, backend=backend)
         counters.clear()
         first, logits_c, grads_c = step(compiled_model)
         graphs = counters["stats"]["unique_graphs"]
         ops = counters["stats"]["calls_captured"]
         breaks = sum(counters["graph_break"].values())
-        compiled = [step(compiled_model)[0] for _ in range(repeats)]
+        step(compiled_model)
+        eager, compiled = [], []
+        for _ in range(repeats):  # alternated: both see the same state of the machine
+            eager.append(step(model)[0])
+            compiled.append(step(compiled_model)[0])
         st, lab = inputs()
         with shardlab.trace() as t:
             model(**st, labels=lab)
@@ -90,7 +95,7 @@ def body(name: str, backend: str, repeats: int):
     return {
         "eager": statistics.median(eager),
         "compiled": statistics.median(compiled),
-        "compile": first - statistics.median(eager),
+        "compile": first - statistics.median(warm),
         "graphs": graphs,
         "breaks": breaks,
         "ops": ops,
@@ -104,7 +109,7 @@ def main(argv=None):
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--models", default="resnet,llama")
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     rows = []
     for world in [int(w) for w in args.ranks.split(",")]:
