@@ -103,7 +103,7 @@ class ShardTensor(DTensor):
             self.device_mesh, layout.placements, layout.global_shape, self.stride(), self.dtype
         )
 
-    # -- torch.compile (shardlab.tensor.compile): torch's DTensor format -------
+    # -- torch.compile (shardlab.tensor.traced): torch's DTensor format --------
     def __tensor_flatten__(self):
         return DTensor.__tensor_flatten__(self)
 
