@@ -3,10 +3,13 @@
 ``SyncNorm.apply(x, w, b, spec)`` on the local block x::
 
     forward   xv = x viewed as spec.view                  e.g. group_norm (N, G, C/G, *S)
-              s  = [sum (xv - K), sum (xv - K)^2] over spec.dims        local, keepdim
+              this rank's n_r elements per statistic: its mean m_r, and
+              M2_r = sum (xv - m_r)^2 over spec.dims (centred: no cancellation)
+              s  = [n_r m_r, M2_r, n_r m_r^2] in float64                local, keepdim
               all_reduce(s) over spec.groups                            "<op>.stats forward"
-              mean = K + s0/n, var = s1/n - (s0/n)^2, rstd = 1/sqrt(var + eps)
-              y = (xv - mean) * rstd (viewed back) * w + b
+              mean = s0/n, var = (s1 + s2)/n - mean^2  (Chan's combination; float64
+              keeps the last difference exact to ~1e-16 mean^2/var, whatever the mean)
+              rstd = 1/sqrt(var + eps); y = (xv - mean) * rstd (viewed back) * w + b
               saves x (the caller's tensor, no copy), mean, rstd: as torch's own kernels
 
     backward  xhat recomputed; g = dy * w
@@ -22,6 +25,7 @@ Double backward is not supported.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,19 +52,22 @@ def _work(t):
 
 @fenced
 class SyncNorm(torch.autograd.Function):
-    """``y, mean, var = SyncNorm.apply(x, w, b, spec, shift)`` (mean, var: no gradient)."""
+    """``y, mean, var = SyncNorm.apply(x, w, b, spec)`` (mean, var: no gradient)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, spec: NormSpec, shift):
+    def forward(ctx, x, w, b, spec: NormSpec):
         xv = _work(x).reshape(spec.view)
-        xc = xv - shift  # one temporary, squared in place (peak memory as torch's kernels)
-        s1 = xc.sum(spec.dims, keepdim=True)
-        local = torch.stack([s1, xc.square_().sum(spec.dims, keepdim=True)])
+        n_r = math.prod(xv.shape[d] for d in spec.dims)  # this rank's elements per statistic
+        m_r = xv.sum(spec.dims, keepdim=True) / max(n_r, 1)  # (stat shape); 0 when empty
+        xc = xv - m_r  # one temporary, squared in place (peak memory as torch's kernels)
+        q_r = xc.square_().sum(spec.dims, keepdim=True)
         del xc
+        m64 = m_r.double()
+        local = torch.stack([m64 * n_r, q_r.double(), m64 * m64 * n_r])
         stats = _all_reduce(local, spec.groups, spec.cause, "forward") if spec.groups else local
-        m1 = stats[0] / spec.count
-        mean = shift + m1
-        var = (stats[1] / spec.count - m1 * m1).clamp_min(0)
+        mean64 = stats[0] / spec.count
+        var64 = ((stats[1] + stats[2]) / spec.count - mean64 * mean64).clamp_min(0)
+        mean, var = mean64.to(xv.dtype), var64.to(xv.dtype)
         rstd = torch.rsqrt(var + spec.eps)
         y = (xv - mean).mul_(rstd).reshape(x.shape).to(x.dtype)
         view = lambda t: t.view(spec.param_view) if spec.param_view else t  # noqa: E731
@@ -101,4 +108,4 @@ class SyncNorm(torch.autograd.Function):
         dx = xv_hat.mul_(-s_gx / spec.count).add_(g).sub_(s_g / spec.count).mul_(rstd)
         grads = iter(params)
         grad_w, grad_b = (None if p is None else next(grads).view(p[0]).to(p[2]) for p in (pw, pb))
-        return dx.reshape(x.shape).to(x.dtype), grad_w, grad_b, None, None
+        return dx.reshape(x.shape).to(x.dtype), grad_w, grad_b, None

@@ -4,18 +4,17 @@
 Who owns what. (N, C, H, W) sharded over H on 3 ranks, sizes [3, 0, 2]; batch_norm
 reduces over (N, H, W) per channel::
 
-    rank 0  rows 0-2   local sums  s1 = sum(x - K), s2 = sum((x - K)^2)     (2, C)
-    rank 1  (empty)    zeros                                              (2, C)
-    rank 2  rows 3-4   local sums                                         (2, C)
-            --------- one all_reduce(SUM) of the (2, C) stack: "batch_norm.stats" ---------
-    every rank: mean = K + s1/n, var = s2/n - (s1/n)^2 with n = N*H*W from the global shape
+    rank 0  rows 0-2   n_r = N*3*W, local mean m_r, M2_r = sum((x - m_r)^2)      (3, C)
+    rank 1  (empty)    zeros                                                   (3, C)
+    rank 2  rows 3-4   n_r = N*2*W, ...                                        (3, C)
+            --- one all_reduce(SUM) of [n_r m_r, M2_r, n_r m_r^2], float64: "batch_norm.stats" ---
+    every rank: mean = sum(n_r m_r)/n, var = (sum M2_r + sum n_r m_r^2)/n - mean^2, n = N*H*W
 
 Per call, forward::
 
-    1. local sums of (x - K) and (x - K)^2 over the local block, stacked   (2, *stat shape)
-       K = running_mean for batch_norm (a shift near the mean: less cancellation), else 0;
-       like every replicated buffer it must be the same on every rank (it is when every
-       rank runs the same steps)
+    1. the local block's mean and centred sum of squares per statistic, stacked with the
+       counts as above (float64; the centring makes any mean exact, e.g. float32 pixels
+       around 1000, and nothing depends on the running buffers)
     2. one all-reduce of the stack over the mesh dims that shard the reduced dims
        (none: the original torch op runs on the local block, no communication)
     3. y = (x - mean) * rsqrt(var + eps) * weight + bias on the local block
@@ -73,7 +72,7 @@ def _params(weight, bias, input, fused, cause):
     return [t.to_local() if isinstance(t, ShardTensor) else t for t in (weight, bias)]
 
 
-def _sync_norm(x, w, b, input, view, dims, count, stat_dims, name, eps, shift, pview):
+def _sync_norm(x, w, b, input, view, dims, count, stat_dims, name, eps, pview):
     """Steps 1-3 by :class:`SyncNorm`; ``stat_dims``: tensor dims the statistics span."""
     layout = input.sharding
     stat_mesh = sharding_mesh_dims(layout, stat_dims)
@@ -84,9 +83,7 @@ def _sync_norm(x, w, b, input, view, dims, count, stat_dims, name, eps, shift, p
         tuple(view), tuple(dims), count, groups_over(input.device_mesh, stat_mesh),
         f"{name}.stats", eps, pview, fused,
     )  # fmt: skip
-    if shift is None:
-        shift = torch.zeros((), dtype=_work_dtype(x), device=x.device)
-    return SyncNorm.apply(x, w, b, spec, shift)
+    return SyncNorm.apply(x, w, b, spec)
 
 
 def _local(fn, x, w, b, *args):
@@ -124,11 +121,8 @@ def batch_norm(
     dims = [0, *range(2, input.ndim)]
     n = math.prod(input.shape[d] for d in dims)
     cshape = (1, -1) + (1,) * (input.ndim - 2)
-    shift = None
-    if running_mean is not None:  # a shift near the mean: less cancellation in sum x^2
-        shift = running_mean.detach().to(_work_dtype(x)).view(cshape)
     y, mean, var = _sync_norm(
-        x, weight, bias, input, x.shape, dims, n, dims, "batch_norm", eps, shift, cshape
+        x, weight, bias, input, x.shape, dims, n, dims, "batch_norm", eps, cshape
     )
     if running_mean is not None or running_var is not None:  # step 4
         with torch.no_grad():
@@ -162,7 +156,7 @@ def _grouped(x, weight, bias, input, groups, name, eps):
     n = c // groups * math.prod(input.shape[d] for d in spatial)
     pview = (1, -1) + (1,) * len(spatial)
     dims = range(2, len(view))
-    return _sync_norm(x, weight, bias, input, view, dims, n, spatial, name, eps, None, pview)[0]
+    return _sync_norm(x, weight, bias, input, view, dims, n, spatial, name, eps, pview)[0]
 
 
 @register("instance_norm")
@@ -235,7 +229,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     w, b = (_weight_block(t, input, k) for t in (weight, bias))
     n = math.prod(input.shape[d] for d in dims)
     spec = NormSpec(tuple(x.shape), tuple(dims), n, groups, "layer_norm.stats", eps, None, False)
-    y = SyncNorm.apply(x, w, b, spec, torch.zeros((), dtype=_work_dtype(x), device=x.device))[0]
+    y = SyncNorm.apply(x, w, b, spec)[0]
     return rewrap(y, input, {}, input.shape)
 
 
@@ -252,10 +246,6 @@ def _consecutive(input, dims, name):
     if layout == input.sharding:
         return input
     return _Redistribute.apply(input, layout, f"auto-redistribute for {name}")
-
-
-def _work_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _weight_block(t, input, k):
