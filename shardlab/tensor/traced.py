@@ -29,13 +29,9 @@ import functools
 
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
+from torch._dynamo.eval_frame import skip_code
 
-__all__ = ["eager", "graph_break", "is_stand_in"]
-
-
-def is_stand_in(t) -> bool:
-    """A ShardTensor that dynamo or AOTAutograd rebuilt for tracing (no layout)."""
-    return getattr(t, "_layout", True) is None
+__all__ = ["check", "eager", "graph_break"]
 
 
 def graph_break(what: str):
@@ -74,17 +70,10 @@ def eager(fn):
     return call
 
 
-def _skip_own_frame(code) -> None:
-    """dynamo never compiles the frame of ``eager``'s wrapper itself (what it calls is
-    disabled, or runs with no dynamo at all)."""
-    from torch._dynamo.eval_frame import skip_code
-
-    skip_code(code)
-
-
 def check(func, args, kwargs) -> None:
-    """A graph break when any argument is a stand-in (one pass, no allocation: every op on
-    a ShardTensor runs this)."""
+    """A graph break when any argument is a stand-in, a ShardTensor that dynamo or
+    AOTAutograd rebuilt for tracing (no layout). One pass, no allocation: every op on a
+    ShardTensor runs this."""
     for a in args:
         if getattr(a, "_layout", 0) is None or (
             type(a) in (list, tuple) and any(getattr(x, "_layout", 0) is None for x in a)
@@ -96,4 +85,6 @@ def check(func, args, kwargs) -> None:
                 graph_break(getattr(func, "__name__", str(func)))
 
 
-_skip_own_frame(eager(len).__code__)
+# dynamo never compiles the frame of eager's wrapper itself (one code object for every
+# wrapper): what it calls is disabled, or runs with no dynamo at all
+skip_code(eager(len).__code__)
