@@ -105,6 +105,7 @@ class ShardTensor(DTensor):
 
     # -- torch.compile (shardlab.tensor.traced): torch's DTensor format --------
     def __tensor_flatten__(self):
+        traced.prepare()  # dynamo (or AOTAutograd) is looking at a ShardTensor
         return DTensor.__tensor_flatten__(self)
 
     @staticmethod

@@ -29,9 +29,8 @@ import functools
 
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
-from torch._dynamo.eval_frame import skip_code
 
-__all__ = ["check", "eager", "graph_break"]
+__all__ = ["check", "eager", "graph_break", "prepare"]
 
 
 def graph_break(what: str):
@@ -57,17 +56,36 @@ def eager(fn):
     Outside ``torch.compile`` (no dynamo callback installed: every eager program) the
     call goes straight to ``fn``; only under dynamo does it pass through
     ``torch.compiler.disable`` (which costs ~1.5 µs, and an op on a ShardTensor passes
-    several of these entry points)."""
-    disabled = torch.compiler.disable(fn, recursive=True)
+    several of these entry points). Both that wrapper and dynamo's import (~0.5 s) wait
+    for the first call under dynamo."""
+    disabled = []
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if _callback() is None:
             return fn(*args, **kwargs)
-        return disabled(*args, **kwargs)
+        if not disabled:
+            prepare()
+            disabled.append(torch.compiler.disable(fn, recursive=True))
+        return disabled[0](*args, **kwargs)
 
     call._torchdynamo_disable = True  # dynamo never inlines it: a graph break, called as is
+    _WRAPPER_CODE[:] = [call.__code__]  # one code object for every wrapper
     return call
+
+
+_WRAPPER_CODE: list = []
+
+
+@functools.cache
+def prepare() -> None:
+    """Once dynamo is in use (``__tensor_flatten__``, or the first wrapper called under
+    it): dynamo never compiles the frame of :func:`eager`'s wrapper itself; what it calls
+    is disabled, or runs with no dynamo at all."""
+    from torch._dynamo.eval_frame import skip_code
+
+    for code in _WRAPPER_CODE:
+        skip_code(code)
 
 
 def check(func, args, kwargs) -> None:
@@ -83,8 +101,3 @@ def check(func, args, kwargs) -> None:
         for a in kwargs.values():
             if getattr(a, "_layout", 0) is None:
                 graph_break(getattr(func, "__name__", str(func)))
-
-
-# dynamo never compiles the frame of eager's wrapper itself (one code object for every
-# wrapper): what it calls is disabled, or runs with no dynamo at all
-skip_code(eager(len).__code__)
