@@ -91,7 +91,7 @@ class ShardTensor(DTensor):
             _contiguous_stride(layout.global_shape) if stride is None else tuple(stride),
             local.dtype,
         )
-        out = ShardTensor(local.detach(), spec, requires_grad=requires_grad)
+        out = _compat.new_dtensor(ShardTensor, local.detach(), spec, requires_grad)
         out._layout = layout
         return out
 
@@ -309,6 +309,12 @@ class ShardTensor(DTensor):
     @classmethod
     @traced.eager
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if not kwargs and func not in _OWN_CALLS:
+            # the common case in one pass: ShardTensors of one mesh (no stand-in) and
+            # scalars; nothing to lift, nothing of ours above aten
+            mesh = _one_mesh(args)
+            if mesh is not None and mesh is not _MIXED:
+                return _disabled_torch_function(func, types, args, _NO_KWARGS)
         traced.check(func, args, kwargs)  # dynamo's stand-ins: a graph break
         kwargs = kwargs or {}
         if func is torch.Tensor.backward or func is torch.autograd.backward:
@@ -336,10 +342,7 @@ class ShardTensor(DTensor):
     @classmethod
     @traced.eager
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from shardlab.tensor.dispatch import dispatch
-
-        traced.check(func, args, kwargs)
-        return dispatch(func, args, kwargs or {})
+        return _dispatch()(func, args, kwargs or {})  # checks for dynamo's stand-ins
 
 
 def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> ShardTensor:
@@ -356,15 +359,54 @@ def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> 
 
 def _dispatch_rule(cls, func, types, args=(), kwargs=None):
     """torch 2.11 routes ShardTensor ops here (see ``_compat.route_dispatch``)."""
-    from shardlab.tensor.dispatch import dispatch
+    return _dispatch()(func, args, kwargs or {})
 
-    return dispatch(func, args, kwargs or {})
+
+_DISPATCH: list = []
+
+
+def _dispatch():
+    """:func:`shardlab.tensor.dispatch.dispatch` (imported on first use: it imports us)."""
+    if not _DISPATCH:
+        from shardlab.tensor.dispatch import dispatch
+
+        _DISPATCH.append(dispatch)
+    return _DISPATCH[0]
 
 
 _compat.route_dispatch(ShardTensor, _dispatch_rule)
 
 
 _SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+_NO_KWARGS: dict = {}
+
+
+def _one_mesh(args, mesh=None):
+    """The mesh when ``args`` are ShardTensors of one mesh (no traced stand-in), scalars
+    and lists or tuples of those (cat's, a view's sizes); None when there is no
+    ShardTensor; :data:`_MIXED` when anything else is there."""
+    for a in args:
+        t = type(a)
+        if t is ShardTensor:
+            if a._layout is None or (mesh is not None and a._spec.mesh is not mesh):
+                return _MIXED
+            mesh = a._spec.mesh
+        elif t is list or t is tuple:
+            mesh = _one_mesh(a, mesh)
+            if mesh is _MIXED:
+                return _MIXED
+        elif t not in _SCALARS:
+            return _MIXED
+    return mesh
+
+
+_MIXED = object()
+_disabled_torch_function = torch._C._disabled_torch_function_impl
+# what ShardTensor.__torch_function__ does itself rather than pass on to aten
+_OWN_CALLS = frozenset(
+    [torch.Tensor.backward, torch.autograd.backward, torch.Tensor.unfold,
+     torch.nn.functional.cross_entropy, *LOSSES]
+)  # fmt: skip
 
 
 def _lift_trainable(args, kwargs):

@@ -10,7 +10,9 @@ All of it is a pure function of the op's *signature*::
             plain tensor  -> shape, strides, dtype, device, requires_grad
             anything else -> its type and value (ints of a view, a dim, a dtype …))
 
-so it is computed once per signature and kept (a bounded table, the oldest entry dropped
+(the op and each mesh by identity, ``id``: a C hash, and each decision holds them alive,
+so an id in a kept key can never be another object's) so it is computed once per
+signature and kept (a bounded table, the oldest entry dropped
 first). A hit costs one pass over the arguments to build the key, the local call and the
 wrap: no meta run, no rule, no spec built. Anything the key cannot hold (a plain DTensor
 to adopt first, an unhashable argument) takes the full path every time.
@@ -24,13 +26,48 @@ moved local blocks (element-wise ops today); every other op keeps deciding in fu
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
-__all__ = ["LocalCall", "clear", "lookup", "remember", "signature"]
+from shardlab import _compat
+
+__all__ = [
+    "BLOCKS", "LocalCall", "LocalView", "Stale", "clear", "decided", "deciding", "depth",
+    "lookup", "remember", "signature",
+]  # fmt: skip
+
+BLOCKS = "blocks"  # a move: a list of ShardTensors (cat's), each block as it is
 
 _TABLE: dict = {}
+_DEPTH = [0]  # full decisions under way (a rule's own ops are decided inside its op's)
+
+
+@contextlib.contextmanager
+def deciding():
+    """Around the full path of one op: what its rule marks :func:`decided` at this depth
+    is its own; a decision marked deeper is one of the ops its rule (or torch's
+    decomposition) called, not to be kept for this op's signature."""
+    _DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1
+
+
+def depth() -> int:
+    return _DEPTH[0]
+
+
+def decided(out, func, moves, mesh, layouts, cause: str = "", local=None) -> None:
+    """Mark ``out`` (a rule's result for ``func``) as the op on the blocks after
+    ``moves``, giving ``layouts`` (a tuple for an op of several results): the decision
+    can be kept for the signature (:class:`LocalCall`; ``local``: what runs on the blocks
+    instead of ``func``, :class:`LocalView`)."""
+    out._decided = (func, _DEPTH[0], moves, mesh, layouts, cause, local)
+
+
 SIZE = 8192  # signatures kept; a training step repeats a few hundred
 
 
@@ -39,10 +76,18 @@ def clear() -> None:
 
 
 def lookup(key):
-    return _TABLE.get(key)
+    """The decision kept for ``key``, else None (also for a key that cannot be hashed)."""
+    try:
+        return _TABLE.get(key)
+    except TypeError:  # an unhashable scalar somewhere
+        return None
 
 
 def remember(key, decision) -> None:
+    try:
+        hash(key)
+    except TypeError:
+        return
     if len(_TABLE) >= SIZE:
         del _TABLE[next(iter(_TABLE))]  # the oldest
     _TABLE[key] = decision
@@ -67,17 +112,22 @@ def signature(func, args, kwargs):
     """The key of the decision for ``func(*args, **kwargs)``, or None (not cacheable)."""
     st = _shard_tensor()
     try:
-        key = [func]
+        key = [id(func)]  # ids (C hashes): the decision holds func and the meshes alive
         for a in args:
-            key.append(_sig(a, st))
-        for k, v in kwargs.items():
-            key.append(k)
-            key.append(_sig(v, st))
-        key = tuple(key)
-        hash(key)
-    except (_Uncacheable, TypeError):
+            if type(a) is st:  # the common case, inline
+                layout = a._layout
+                if layout is None:
+                    return None  # a traced stand-in: the full path breaks the graph
+                key.append((st, id(a._spec.mesh), layout, a.stride(), a.dtype, a.requires_grad))
+            else:
+                key.append(_sig(a, st))
+        if kwargs:
+            for k, v in kwargs.items():
+                key.append(k)
+                key.append(_sig(v, st))
+    except _Uncacheable:
         return None
-    return key
+    return tuple(key)  # hashed once, by the lookup (which returns None if it cannot)
 
 
 _SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
@@ -87,7 +137,9 @@ _SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.devic
 def _sig(a, st):
     t = type(a)
     if t is st:
-        return (st, a.device_mesh, a._layout, a.stride(), a.dtype, a.requires_grad)
+        if a._layout is None:
+            raise _Uncacheable  # a traced stand-in
+        return (st, id(a._spec.mesh), a._layout, a.stride(), a.dtype, a.requires_grad)
     if isinstance(a, torch.Tensor):
         if isinstance(a, torch.distributed.tensor.DTensor) or t not in (
             torch.Tensor,
@@ -109,18 +161,21 @@ class LocalCall:
 
     ``moves[i]``: what becomes of argument i (positional, then keyword values in order):
     None (as it is: a scalar, or a ShardTensor whose block is used as it is), a layout (a
-    ShardTensor moved there first, or a plain tensor cut to it: a slice, no message).
+    ShardTensor moved there first, or a plain tensor cut to it: a slice, no message),
+    :data:`BLOCKS` (a list of ShardTensors: their blocks as they are).
     ``outs``: ``(layout, stride, dtype)`` of each result; ``many``: the op returns a
     tuple of them (``native_layer_norm``'s output, mean and rstd), else one tensor.
     """
 
-    __slots__ = ("moves", "mesh", "outs", "many", "cause")
+    __slots__ = ("moves", "mesh", "outs", "many", "cause", "still", "anchors", "local")
 
-    def __init__(self, moves, mesh, outs, many, cause):
-        from shardlab import _compat
+    def __init__(self, moves, mesh, outs, many, cause, anchors=(), local=None):
         from shardlab.tensor.comm import my_coord
 
         self.moves, self.mesh, self.many, self.cause = tuple(moves), mesh, many, cause
+        self.still = all(m is None for m in self.moves)  # nothing moves: blocks as they are
+        self.anchors = tuple(anchors)  # the op and meshes whose ids are in the key: alive
+        self.local = local  # what runs on the blocks instead of the op itself (LocalView)
         me = my_coord(mesh)
         self.outs = tuple(
             (layout, layout.local_shape(me),
@@ -130,31 +185,72 @@ class LocalCall:
         )  # fmt: skip
 
     def __call__(self, func, args, kwargs):
-        n = len(args)
-        local_args = [self._local(a, self.moves[i]) for i, a in enumerate(args)]
-        local_kwargs = {
-            k: self._local(v, self.moves[n + j]) for j, (k, v) in enumerate(kwargs.items())
-        }
-        out = func(*local_args, **local_kwargs)
+        st = _shard_tensor()
+        if self.still:  # the common case: every block as it is, one pass
+            local_args = [a._local_tensor if type(a) is st else a for a in args]
+            local_kwargs = (
+                {k: v._local_tensor if type(v) is st else v for k, v in kwargs.items()}
+                if kwargs
+                else kwargs
+            )
+        else:
+            n = len(args)
+            local_args = [self._local(a, self.moves[i], st) for i, a in enumerate(args)]
+            local_kwargs = {
+                k: self._local(v, self.moves[n + j], st) for j, (k, v) in enumerate(kwargs.items())
+            }
+        if self.local is None:
+            out = func(*local_args, **local_kwargs)
+        else:
+            out = self.local(local_args, local_kwargs)
         if not self.many:
             return self._wrap(func, out, *self.outs[0])
         return tuple(self._wrap(func, o, *how) for o, how in zip(out, self.outs))
 
     def _wrap(self, func, out, layout, local_shape, spec):
-        if tuple(out.shape) != local_shape:
+        if out.shape != local_shape:
             raise RuntimeError(
                 f"shardlab internal error: {func} gave a local block of shape "
                 f"{tuple(out.shape)} where {layout} needs {local_shape}; please report it"
             )
-        wrapped = _shard_tensor()(out.detach(), spec, requires_grad=False)
+        if out.requires_grad:  # below autograd a local result has no history: never, so far
+            out = out.detach()
+        wrapped = _compat.new_dtensor(_shard_tensor(), out, spec)
         wrapped._layout = layout
         return wrapped
 
-    def _local(self, a, move):
-        from shardlab.tensor.aten import _common as c
-
+    def _local(self, a, move, st):
         if move is None:
-            return a._local_tensor if type(a) is _shard_tensor() else a
-        if type(a) is _shard_tensor():
+            return a._local_tensor if type(a) is st else a
+        if move is BLOCKS:
+            return [t._local_tensor for t in a]
+        c = _common()
+        if type(a) is st:
             return c.move(a, move, self.cause)._local_tensor
         return c.move(c.as_shard(a, self.mesh), move, self.cause)._local_tensor
+
+
+class Stale(Exception):
+    """A kept decision that does not apply to these blocks: decide in full this time."""
+
+
+class LocalView:
+    """The block of a view whose global shape argument is not the block's: every rank
+    views its own block as ``shape`` (its local extent of the result)."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def __call__(self, args, kwargs):
+        try:
+            return args[0].view(self.shape)
+        except RuntimeError:  # this block's strides do not allow a view: the full path
+            raise Stale from None
+
+
+def _common():
+    from shardlab.tensor.aten import _common
+
+    return _common

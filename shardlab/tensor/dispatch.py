@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from shardlab import _compat
-from shardlab.tensor import decisions
+from shardlab.tensor import decisions, traced
 from shardlab.tensor.aten import HANDLERS, register
 from shardlab.tensor.aten import _common as c
 from shardlab.tensor.aten.fallback import replicate_and_run
@@ -49,7 +49,17 @@ def dispatch(func, args, kwargs):
     if key is not None:
         decided = decisions.lookup(key)
         if decided is not None:  # decided before for this signature: replay
-            return decided(func, args, kwargs)
+            try:
+                return decided(func, args, kwargs)
+            except decisions.Stale:  # not for these blocks (a view of strided ones)
+                pass
+    traced.check(func, args, kwargs)  # dynamo's stand-ins (never a key): a graph break
+    with decisions.deciding():
+        return _decide(key, func, args, kwargs)
+
+
+def _decide(key, func, args, kwargs):
+    """The full path: adopt, torch's meta check, the rule, global strides, keep it."""
     args, kwargs = c.adopt((args, kwargs))
     meta = None if func in _NO_META else c.meta_call(func, args, kwargs)  # torch's errors
     ran = []
@@ -72,15 +82,21 @@ def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
     if not all(isinstance(o, st) and not getattr(o, "_writeback", None) for o in outs):
         return
     how = getattr(raw[0] if many else raw, "_decided", None)
+    if how is not None and (how[0] is not func or how[1] != decisions.depth()):
+        return  # decided for another op, or inside (an op this one decomposed into)
+    how = how and how[2:]
     if how is None and elementwise and not many:
         how = replay(func, args, kwargs, out)
+        how = how and (*how, None)
     if how is not None:
-        moves, mesh, layouts, cause = how
+        moves, mesh, layouts, cause, local = how
         layouts = layouts if many else (layouts,)
         if [o._layout for o in outs] != list(layouts):
             return  # not what the rule said it made: decide in full every time
         outs = [(o._layout, o.stride(), o.dtype) for o in outs]
-        decisions.remember(key, decisions.LocalCall(moves, mesh, outs, many, cause))
+        meshes = {id(t.device_mesh): t.device_mesh for t in c.shards_in((args, kwargs))}
+        anchors = (func, *meshes.values())
+        decisions.remember(key, decisions.LocalCall(moves, mesh, outs, many, cause, anchors, local))
 
 
 _WRITTEN: dict = {}

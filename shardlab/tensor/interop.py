@@ -57,9 +57,42 @@ def _block_and_whole(layout: ShardLayout, keep_strided: bool) -> ShardLayout:
     return out
 
 
+_READY: dict = {}  # (layout, keep_strided) -> nothing to prepare (no Partial, no strided)
+
+
+def _ready(values, keep_strided: bool) -> bool:
+    """No argument to prepare: ShardTensors needing nothing, plain tensors, scalars, and
+    lists or tuples of those (anything else pytree may open: the full pass decides)."""
+    from shardlab.tensor.api import ShardTensor
+
+    for a in values:
+        t = type(a)
+        if t is ShardTensor:
+            key = (a._layout, keep_strided)
+            ok = _READY.get(key)
+            if ok is None:
+                ok = _READY[key] = _block_and_whole(a._layout, keep_strided) == a._layout
+                if len(_READY) > 4096:
+                    _READY.clear()
+            if not ok:
+                return False
+        elif t is list or t is tuple:
+            if not _ready(a, keep_strided):
+                return False
+        elif isinstance(a, DTensor) or not (t in _PLAIN or isinstance(a, torch.Tensor)):
+            return False
+    return True
+
+
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
+          torch.memory_format, torch.layout)  # fmt: skip
+
+
 def prepare(args, kwargs, name: str, keep_strided: bool = False):
     """The arguments of ``F.<name>`` as the sharded handlers expect them (see module).
     ``keep_strided``: the handler works row by row and takes strided dims as they are."""
+    if _ready(args, keep_strided) and _ready(kwargs.values(), keep_strided):
+        return tuple(args), dict(kwargs)  # the common case: nothing to do, one pass
     from shardlab.tensor.api import ShardTensor, _Redistribute
     from shardlab.tensor.aten._common import layout_of_dtensor
     from shardlab.trace import label

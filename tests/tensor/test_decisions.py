@@ -33,6 +33,16 @@ OPS = [
         + F.layer_norm(b, b.shape[1:])
     ),
     lambda a, b: torch.sort(a, -1).values + torch.topk(b, 1, 0).values,  # not tuples: full path
+    lambda a, b: (  # views: each block viewed as it is (a cut dim merged too)
+        a.reshape(a.shape[0], a.shape[1] * a.shape[2]).sum(-1)
+        + b.unsqueeze(0).squeeze(0).sum((1, 2))
+        + a.view(a.shape[0], a.shape[1], a.shape[2], 1).sum((1, 2, 3))
+    ),
+    lambda a, b: (  # cat: along an uncut dim (blocks as they are), along the cut one
+        torch.cat([a, a * 2, b], -1)[..., :1] + torch.cat([b, a], 1)[:, : a.shape[1]]
+    ),
+    # dot decomposes into ops with decisions of their own: none of them is dot's
+    lambda a, b: torch.dot(a.flatten(), b.flatten()) + a.transpose(0, 1).sum(),
 ]
 
 
@@ -157,3 +167,31 @@ def test_the_table_is_bounded_and_does_not_grow_in_a_loop(ranks_for):
 
     for steady, bounded in ranks_for(2).run(body):
         assert steady <= 6 and bounded
+
+
+def test_a_kept_view_of_blocks_that_cannot_be_viewed_decides_in_full(ranks_for):
+    """Same signature (the global strides are contiguous both times), but the second
+    tensor's blocks are transposed in memory: the kept view raises, the full path copies,
+    and the result still equals torch."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        from shardlab import ShardTensor, this_rank
+        from shardlab.tensor import decisions
+
+        mesh = this_rank().mesh
+        me = mesh.get_local_rank()
+        g = torch.arange(5.0 * 6).reshape(5, 6)
+        block = g[:3] if me == 0 else g[3:]  # 3 and 2 rows
+        flat = ShardTensor.from_local(block.clone(), mesh, [Shard(0)])
+        first = flat.view(-1).full_tensor()
+        odd = ShardTensor.from_local(block.t().contiguous().t(), mesh, [Shard(0)])
+        assert odd.to_local().stride() != flat.to_local().stride()
+        key = decisions.signature(torch.ops.aten.view.default, (odd, [-1]), {})
+        kept = decisions.lookup(key) is not None  # the first view's decision applies
+        second = odd.view(-1).full_tensor()
+        return kept, torch.equal(first, g.view(-1)), torch.equal(second, g.view(-1))
+
+    for ok in ranks_for(2).run(body):
+        assert all(ok), ok

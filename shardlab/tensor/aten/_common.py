@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
 from shardlab.layout import ShardLayout, chunk_sizes
-from shardlab.tensor import comm
+from shardlab.tensor import comm, decisions
 
 aten = torch.ops.aten
 
@@ -118,7 +118,7 @@ def local_call(func, args, kwargs, mesh, layout: ShardLayout, moves=None, cause=
              **{k: block(v, moves[n + j]) for j, (k, v) in enumerate(kwargs.items())}),
         mesh, layout,
     )  # fmt: skip
-    out._decided = (moves, mesh, layout, cause)
+    decisions.decided(out, func, moves, mesh, layout, cause)
     return out
 
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import Shard
 
 from shardlab.layout import ShardLayout, moves
 from shardlab.layout.elementwise import restrict
+from shardlab.tensor import decisions
 from shardlab.trace import label
 
 from . import _common as c
@@ -130,9 +131,9 @@ def _along_dims(func, args, kwargs):
         # signature (shardlab.tensor.decisions); a tuple of results carries it on its first
         keep = [None] * (len(args) + len(kwargs))
         if isinstance(out, st):
-            out._decided = (keep, mesh, out._layout, "")
+            decisions.decided(out, func, keep, mesh, out._layout)
         elif type(out) is tuple and out and all(isinstance(o, st) for o in out):
-            out[0]._decided = (keep, mesh, tuple(o._layout for o in out), "")
+            decisions.decided(out[0], func, keep, mesh, tuple(o._layout for o in out))
     return out
 
 

@@ -18,6 +18,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardlab.layout import ShardLayout, chunk_sizes, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.layout.views import select_dims_layout
+from shardlab.tensor import decisions
+from shardlab.tensor.decisions import BLOCKS
 
 from . import _common as c
 from .registry import register
@@ -51,11 +53,13 @@ def _cat(func, args, kwargs):
         cut = []
     if not cut:
         out_layout = lay.replace(global_shape=_cat_shape(tensors, dim))
-        locs = [
-            c.move(t, restrict(lay, t.shape, [False] * mesh.ndim), cause)._local_tensor
-            for t in tensors
-        ]
-        return c.wrap(torch.cat(locs, dim), mesh, out_layout)
+        moved = [c.move(t, restrict(lay, t.shape, [False] * mesh.ndim), cause) for t in tensors]
+        out = c.wrap(torch.cat([t._local_tensor for t in moved], dim), mesh, out_layout)
+        if len(moved) == len(args[0]) and all(m is t for m, t in zip(moved, args[0])):
+            # every block as it is (nothing dropped, reduced or moved): kept per signature
+            keep = [BLOCKS] + [None] * (len(args) - 1 + len(kwargs))
+            decisions.decided(out, func, keep, mesh, out_layout)
+        return out
     (m,) = cut
     # 1. output sizes: rank k keeps as many rows as it holds of the inputs cut like ref
     parts = []

@@ -21,6 +21,7 @@ from shardlab.layout.views import (
     slice_layout,
     view_layout,
 )
+from shardlab.tensor.decisions import LocalView, decided
 
 from . import _common as c
 from .registry import register
@@ -50,9 +51,11 @@ def _unblocked(x, rule, what: str, tries: int = 4):
     return x, rule(x._layout)
 
 
-def view_to(x, shape, what: str = "view", copy: bool = False):
+def view_to(x, shape, what: str = "view", copy: bool = False, op=None):
     """``x`` viewed as ``shape`` (a ShardTensor), moving it first only if it must. If it
-    had to (or the block was not viewable), the result writes back into ``x``."""
+    had to (or the block was not viewable), the result writes back into ``x``.
+    ``op``: ``(func, n_args)``, ``x`` being the first of the op's ``n_args`` arguments: a
+    view of the block as it is is kept for the op's signature (:mod:`.decisions`)."""
     shape = _resolve(shape, x.numel())
     base = x
     x, out = _unblocked(x, lambda lay: view_layout(lay, shape), what)
@@ -69,6 +72,8 @@ def view_to(x, shape, what: str = "view", copy: bool = False):
             return c.copied_local(y, base)
     if x is not base and not copy:
         return c.moved_view(y, base, x) if viewed else y
+    if viewed and op is not None:  # each block viewed as it is: kept per signature
+        decided(y, op[0], [None] * op[1], x.device_mesh, out, local=LocalView(local_shape))
     return y
 
 
@@ -81,7 +86,7 @@ def view_to(x, shape, what: str = "view", copy: bool = False):
 )
 def _view(func, args, kwargs):
     copy = func in (aten.reshape.default, aten.view_copy.default)
-    return view_to(args[0], args[1], c.op_name(func), copy=copy)
+    return view_to(args[0], args[1], c.op_name(func), copy, (func, len(args) + len(kwargs)))
 
 
 @register(aten.unsqueeze.default)
@@ -89,7 +94,7 @@ def _unsqueeze(func, args, kwargs):
     x, dim = args[0], args[1] % (args[0].ndim + 1)
     shape = list(x.shape)
     shape.insert(dim, 1)
-    return view_to(x, shape, "unsqueeze")
+    return view_to(x, shape, "unsqueeze", op=(func, len(args) + len(kwargs)))
 
 
 @register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
@@ -102,7 +107,7 @@ def _squeeze(func, args, kwargs):
         dims = [dims] if isinstance(dims, int) else dims
     drop = {d % max(x.ndim, 1) for d in dims if x.ndim and x.shape[d % x.ndim] == 1}
     shape = [n for d, n in enumerate(x.shape) if d not in drop]
-    return view_to(x, shape, "squeeze")
+    return view_to(x, shape, "squeeze", op=(func, len(args) + len(kwargs)))
 
 
 @register(aten.expand.default, aten.expand_copy.default)
