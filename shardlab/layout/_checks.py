@@ -9,6 +9,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
+from torch import Size as _Size
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -17,6 +18,8 @@ SUPPORTED_PLACEMENTS = "Shard(dim), Replicate() or Partial(op)"
 
 def as_int(name: str, value: object, minimum: int | None = None) -> int:
     """``value`` as a plain int (``bool`` refused), at least ``minimum`` if given."""
+    if type(value) is int and (minimum is None or value >= minimum):
+        return value  # the common case, without the abstract-class checks
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     result = int(value)
@@ -27,6 +30,11 @@ def as_int(name: str, value: object, minimum: int | None = None) -> int:
 
 def int_tuple(name: str, value: object, minimum: int | None = 0) -> tuple[int, ...]:
     """A sequence of ints (each >= ``minimum`` unless None) as a tuple; ``name[i]`` in errors."""
+    t = type(value)
+    if (t is tuple or t is list or t is _Size) and all(
+        type(v) is int and (minimum is None or v >= minimum) for v in value
+    ):
+        return tuple(value)  # the common case, without the abstract-class checks
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(value).__name__}")
     return tuple(as_int(f"{name}[{i}]", v, minimum) for i, v in enumerate(value))
@@ -59,7 +67,9 @@ def normalise_placements(
     """One placement per mesh dim; ``Shard(-1)`` becomes ``Shard(tensor_ndim - 1)`` like torch."""
     if isinstance(placements, Placement):
         placements = (placements,)
-    if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
+    if type(placements) not in (tuple, list) and (
+        isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence)
+    ):
         raise TypeError(
             f"placements must be a sequence of {SUPPORTED_PLACEMENTS}, "
             f"got {type(placements).__name__}"

@@ -40,6 +40,7 @@ owners and summed into their shards (autograd through cat/index_select does the 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -169,7 +170,15 @@ class ConvPlan:
         return sum(b.stop - b.start for b in self.recvs(r))
 
     def local_index(self, r: int) -> tuple[int, ...]:
-        """``index_map(r)`` as indices into ``cat(blocks(r))``; PAD / OVERHANG kept negative."""
+        """``index_map(r)`` as indices into ``cat(blocks(r))``; PAD / OVERHANG kept negative
+        (computed once per rank: plans are immutable and kept per signature)."""
+        cache = self.__dict__.setdefault("_indices", {})
+        hit = cache.get(r)
+        if hit is None:
+            hit = cache[r] = self._local_index(r)
+        return hit
+
+    def _local_index(self, r: int) -> tuple[int, ...]:
         blocks = self.ranks[r].blocks
         starts = [b.start for b in blocks]
         bases = offsets([b.stop - b.start for b in blocks])
@@ -202,7 +211,29 @@ class ConvPlan:
         return "\n".join(lines)
 
 
-def conv_plan(
+def _kept(plan):
+    """``plan`` kept per arguments (a plan is immutable): every call of a sharded conv,
+    pool or window op plans its exchange, and a training step repeats the same few."""
+    table: dict = {}
+
+    @functools.wraps(plan)
+    def conv_plan(*args, **kwargs):
+        try:
+            key = (args, tuple(sorted(kwargs.items())))
+            hit = table.get(key)
+        except TypeError:  # a list among the arguments: planned every time
+            return plan(*args, **kwargs)
+        if hit is None:
+            hit = plan(*args, **kwargs)
+            if len(table) > 4096:
+                table.clear()
+            table[key] = hit
+        return hit
+
+    return conv_plan
+
+
+def _plan_conv(
     sizes: Sequence[int],
     kernel_size: int,
     stride: int = 1,
@@ -263,6 +294,10 @@ def conv_plan(
         sizes, k, st, dl, pad, padding_mode, transposed, op, ceil_mode, n_out, out_sizes,
         tuple(ranks),
     )  # fmt: skip
+
+
+conv_plan = _kept(_plan_conv)
+conv_plan.__name__ = conv_plan.__qualname__ = "conv_plan"
 
 
 def _check_padding(padding: object, k: int, st: int, dl: int, transposed: bool) -> tuple[int, int]:

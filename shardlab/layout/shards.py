@@ -37,6 +37,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -84,6 +85,19 @@ def owner_of(index: int, sizes: Sequence[int]) -> int:
     # the last part starting at or before `index` is non-empty (an empty one is followed by
     # a part with the same start), so it is the one containing `index`.
     return bisect.bisect_right(offsets(sizes), index) - 1
+
+
+_BUILT: dict = {}  # ShardLayout.build's arguments (typed) -> the layout (immutable)
+
+
+def _typed(value):
+    """A hashable stand-in for an argument of :meth:`ShardLayout.build` that tells apart
+    what build treats apart (lists of lists, bools, floats); TypeError if unhashable."""
+    t = type(value)
+    if t is list or t is tuple or t is torch.Size:
+        return (list, tuple(_typed(v) for v in value))
+    hash(value)
+    return (t, value)
 
 
 @dataclass(frozen=True, repr=False)
@@ -179,6 +193,20 @@ class ShardLayout:
         for mesh dim 1 nesting in mesh dim 0 on the same tensor dim, a list of lists (one per
         mesh-dim-0 piece; a flat list applies to every piece). Replicate/Partial entries: None.
         """
+        try:  # kept per arguments (with their types: 2.0 is refused where 2 is not)
+            key = (cls, _typed(global_shape), _typed(mesh_shape), _typed(placements), _typed(sizes))
+            hit = _BUILT.get(key)
+        except TypeError:  # something unhashable: validated every time
+            return cls._build(global_shape, mesh_shape, placements, sizes)
+        if hit is None:
+            hit = cls._build(global_shape, mesh_shape, placements, sizes)
+            if len(_BUILT) > 8192:
+                _BUILT.clear()
+            _BUILT[key] = hit
+        return hit
+
+    @classmethod
+    def _build(cls, global_shape, mesh_shape, placements, sizes) -> ShardLayout:
         gshape = int_tuple("global_shape", global_shape)
         mshape = check_mesh_shape(mesh_shape)
         places = normalise_placements(placements, len(mshape), len(gshape))

@@ -307,8 +307,10 @@ class ShardTensor(DTensor):
         )
 
     @classmethod
-    @traced.eager
+    @traced.entry
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if traced.tracing() is not None:  # under torch.compile: eagerly, a graph break
+            return _EAGER_TF[0](cls, func, types, args, kwargs)
         if not kwargs and func not in _OWN_CALLS:
             # the common case in one pass: ShardTensors of one mesh (no stand-in) and
             # scalars; nothing to lift, nothing of ours above aten
@@ -340,9 +342,16 @@ class ShardTensor(DTensor):
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
-    @traced.eager
+    @traced.entry
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch()(func, args, kwargs or {})  # checks for dynamo's stand-ins
+        if traced.tracing() is not None:  # under torch.compile: eagerly, a graph break
+            return _EAGER_TD[0](cls, func, types, args, kwargs)
+        return (_DISPATCH or _dispatch())[0](func, args, kwargs or {})  # checks stand-ins
+
+
+# the two entry points again, as traced.eager makes them for a call under dynamo
+_EAGER_TF = [traced.eager(ShardTensor.__torch_function__.__func__)]
+_EAGER_TD = [traced.eager(ShardTensor.__torch_dispatch__.__func__)]
 
 
 def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> ShardTensor:
@@ -359,19 +368,18 @@ def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> 
 
 def _dispatch_rule(cls, func, types, args=(), kwargs=None):
     """torch 2.11 routes ShardTensor ops here (see ``_compat.route_dispatch``)."""
-    return _dispatch()(func, args, kwargs or {})
+    return (_DISPATCH or _dispatch())[0](func, args, kwargs or {})
 
 
 _DISPATCH: list = []
 
 
-def _dispatch():
-    """:func:`shardlab.tensor.dispatch.dispatch` (imported on first use: it imports us)."""
-    if not _DISPATCH:
-        from shardlab.tensor.dispatch import dispatch
+def _dispatch() -> list:
+    """``[shardlab.tensor.dispatch.dispatch]`` (imported on first use: it imports us)."""
+    from shardlab.tensor.dispatch import dispatch
 
-        _DISPATCH.append(dispatch)
-    return _DISPATCH[0]
+    _DISPATCH[:] = [dispatch]
+    return _DISPATCH
 
 
 _compat.route_dispatch(ShardTensor, _dispatch_rule)

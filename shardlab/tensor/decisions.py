@@ -93,15 +93,16 @@ def remember(key, decision) -> None:
     _TABLE[key] = decision
 
 
-_CLS: list = []
+_ST = None  # ShardTensor (api imports this module)
 
 
 def _shard_tensor():
-    if not _CLS:
+    global _ST
+    if _ST is None:
         from shardlab.tensor.api import ShardTensor
 
-        _CLS.append(ShardTensor)
-    return _CLS[0]
+        _ST = ShardTensor
+    return _ST
 
 
 class _Uncacheable(Exception):
@@ -110,7 +111,7 @@ class _Uncacheable(Exception):
 
 def signature(func, args, kwargs):
     """The key of the decision for ``func(*args, **kwargs)``, or None (not cacheable)."""
-    st = _shard_tensor()
+    st = _ST or _shard_tensor()
     try:
         key = [id(func)]  # ids (C hashes): the decision holds func and the meshes alive
         for a in args:
@@ -185,7 +186,7 @@ class LocalCall:
         )  # fmt: skip
 
     def __call__(self, func, args, kwargs):
-        st = _shard_tensor()
+        st = _ST
         if self.still:  # the common case: every block as it is, one pass
             local_args = [a._local_tensor if type(a) is st else a for a in args]
             local_kwargs = (
@@ -204,10 +205,10 @@ class LocalCall:
         else:
             out = self.local(local_args, local_kwargs)
         if not self.many:
-            return self._wrap(func, out, *self.outs[0])
-        return tuple(self._wrap(func, o, *how) for o, how in zip(out, self.outs))
+            return self._wrap(func, out, *self.outs[0], st)
+        return tuple(self._wrap(func, o, *how, st) for o, how in zip(out, self.outs))
 
-    def _wrap(self, func, out, layout, local_shape, spec):
+    def _wrap(self, func, out, layout, local_shape, spec, st):
         if out.shape != local_shape:
             raise RuntimeError(
                 f"shardlab internal error: {func} gave a local block of shape "
@@ -215,7 +216,7 @@ class LocalCall:
             )
         if out.requires_grad:  # below autograd a local result has no history: never, so far
             out = out.detach()
-        wrapped = _compat.new_dtensor(_shard_tensor(), out, spec)
+        wrapped = _compat.new_dtensor(st, out, spec)
         wrapped._layout = layout
         return wrapped
 

@@ -30,7 +30,9 @@ import functools
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 
-__all__ = ["check", "eager", "graph_break", "prepare"]
+__all__ = ["check", "eager", "entry", "graph_break", "prepare", "tracing"]
+
+tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is installed
 
 
 def graph_break(what: str):
@@ -70,11 +72,26 @@ def eager(fn):
         return disabled[0](*args, **kwargs)
 
     call._torchdynamo_disable = True  # dynamo never inlines it: a graph break, called as is
-    _WRAPPER_CODE[:] = [call.__code__]  # one code object for every wrapper
+    _skip(call.__code__)  # one code object for every wrapper
     return call
 
 
+def entry(fn):
+    """:func:`eager` for the hottest entry points (``__torch_function__``,
+    ``__torch_dispatch__``: every op passes both), without the wrapper's frame: ``fn``
+    starts with ``if tracing() is not None: return <eager(fn)>(...)`` itself. Here dynamo
+    is told never to inline ``fn`` and never to compile its frame."""
+    fn._torchdynamo_disable = True
+    _skip(fn.__code__)
+    return fn
+
+
 _WRAPPER_CODE: list = []
+
+
+def _skip(code) -> None:
+    if code not in _WRAPPER_CODE:
+        _WRAPPER_CODE.append(code)
 
 
 @functools.cache
