@@ -192,3 +192,15 @@ def test_str_speaks_plainly():
     text = str(conv_plan([3, 2, 0, 3], 3, padding="same"))
     assert "in sizes [3, 2, 0, 3] -> out sizes [3, 2, 0, 3]" in text
     assert "rank 1: out [3, 5), window [3, 7), recv [2, 3) from rank 0, [5, 6) from rank 3" in text
+
+
+def test_plans_are_kept_per_arguments_and_errors_are_not():
+    plan = conv_plan((5, 0, 4), 3, padding=1)
+    assert conv_plan((5, 0, 4), 3, padding=1) is plan  # kept (a plan is immutable)
+    assert conv_plan((5, 0, 4), 3, padding=2) is not plan
+    listed = conv_plan([5, 0, 4], 3, padding=1)  # a list: not hashable, planned anew
+    assert listed is not plan and listed == plan
+    assert plan.local_index(2) is plan.local_index(2)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="output_padding"):
+            conv_plan([5, 0, 4], 3, output_padding=1)

@@ -263,3 +263,22 @@ def test_constructor_validates_canonical_form():
         ShardLayout((4,), (2,), (Shard(-1),), (((2, 2),),))
     with pytest.raises(ValueError, match="coord"):
         ShardLayout.build((4,), (2,), [Shard(0)]).local_shape((2,))
+
+
+def test_build_keeps_layouts_per_typed_arguments():
+    """build keeps each layout per arguments; equal values of other types (2.0, True)
+    are other arguments, so the checks still refuse them after the int form was kept."""
+    ok = ShardLayout.build((18, 3), (4,), [Shard(0)], [5, 5, 4, 4])
+    assert ShardLayout.build([18, 3], (4,), (Shard(0),), (5, 5, 4, 4)) is ok
+    with pytest.raises(TypeError, match=r"sizes\[2\]"):
+        ShardLayout.build((18, 3), (4,), [Shard(0)], [5, 5, 4.0, 4])
+    with pytest.raises(TypeError, match=r"global_shape\[0\]"):
+        ShardLayout.build((18.0, 3), (4,), [Shard(0)], [5, 5, 4, 4])
+    one = ShardLayout.build((18, 1), (4,), [Shard(0)])
+    assert one.global_shape == (18, 1)
+    with pytest.raises(TypeError, match=r"global_shape\[1\]"):
+        ShardLayout.build((18, True), (4,), [Shard(0)])
+    with pytest.raises(ValueError, match="out of range"):  # refused every time, not kept
+        ShardLayout.build((18, 3), (4,), [Shard(2)])
+    with pytest.raises(ValueError, match="out of range"):
+        ShardLayout.build((18, 3), (4,), [Shard(2)])
