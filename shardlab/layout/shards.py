@@ -88,6 +88,7 @@ def owner_of(index: int, sizes: Sequence[int]) -> int:
 
 
 _BUILT: dict = {}  # ShardLayout.build's arguments (typed) -> the layout (immutable)
+_REPLACED: dict = {}  # (layout, its typed changes) -> ShardLayout.replace's layout
 
 
 def _typed(value):
@@ -269,8 +270,19 @@ class ShardLayout:
         return ShardLayout.build(self.global_shape, self.mesh_shape, placements, sizes)
 
     def replace(self, **changes) -> ShardLayout:
-        """A copy with some fields changed (atoms and cuts kept unless given)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (atoms and cuts kept unless given); kept per
+        layout and (typed) changes, as :meth:`build`."""
+        try:
+            key = (self, *((k, _typed(v)) for k, v in sorted(changes.items())))
+            hit = _REPLACED.get(key)
+        except TypeError:  # something unhashable: validated every time
+            return dataclasses.replace(self, **changes)
+        if hit is None:
+            hit = dataclasses.replace(self, **changes)
+            if len(_REPLACED) > 8192:
+                _REPLACED.clear()
+            _REPLACED[key] = hit
+        return hit
 
     # ------------------------------------------------------------------ atoms
     def dim_atoms(self, tensor_dim: int) -> tuple[int, ...]:
@@ -379,11 +391,13 @@ class ShardLayout:
         An empty piece starts where it sits in :meth:`sizes_along` (for empty nested pieces
         torch's ``compute_local_shape_and_global_offset`` reports the dim size instead).
         """
-        c = self._coord(coord)
-        return tuple(self._piece(d, c)[0] for d in range(len(self.global_shape)))
+        return tuple(start for start, _ in _local_box(self, tuple(coord)))
 
     def local_box(self, coord: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """The block as global ``[start, stop)`` ranges, one per tensor dim."""
+        return _local_box(self, tuple(coord))
+
+    def _local_box(self, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         c = self._coord(coord)
         pieces = (self._piece(d, c) for d in range(len(self.global_shape)))
         return tuple((start, start + n) for start, n in pieces)
@@ -454,6 +468,11 @@ class ShardLayout:
 @functools.lru_cache(maxsize=16384)
 def _local_shape(layout: ShardLayout, coord: tuple[int, ...]) -> tuple[int, ...]:
     return layout._local_shape(coord)
+
+
+@functools.lru_cache(maxsize=16384)
+def _local_box(layout: ShardLayout, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return layout._local_box(coord)
 
 
 def _check_atoms(global_shape: tuple[int, ...], atoms) -> None:

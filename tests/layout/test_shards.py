@@ -282,3 +282,14 @@ def test_build_keeps_layouts_per_typed_arguments():
         ShardLayout.build((18, 3), (4,), [Shard(2)])
     with pytest.raises(ValueError, match="out of range"):
         ShardLayout.build((18, 3), (4,), [Shard(2)])
+
+
+def test_replace_keeps_layouts_per_typed_changes_and_boxes_per_coordinate():
+    base = ShardLayout.build((18, 3), (4,), [Shard(0)], [5, 5, 4, 4])
+    a = base.replace(global_shape=(18, 4))
+    assert base.replace(global_shape=(18, 4)) is a and a.global_shape == (18, 4)
+    with pytest.raises(TypeError, match=r"global_shape\[1\]"):  # 4.0: refused, not a hit
+        base.replace(global_shape=(18, 4.0))
+    assert base.local_box((2,)) == ((10, 14), (0, 3)) and base.local_offset([3]) == (14, 0)
+    with pytest.raises(ValueError, match="coord"):
+        base.local_box((4,))
