@@ -34,8 +34,9 @@ import torch
 from shardlab import _compat
 
 __all__ = [
-    "BLOCKS", "LocalCall", "LocalView", "Stale", "clear", "decided", "deciding", "depth",
-    "lookup", "remember", "signature",
+    "BLOCKS", "Decomposed", "LocalCall", "LocalExpand", "LocalReshape", "LocalSlice",
+    "LocalView", "Stale", "clear", "decided", "deciding", "depth", "lookup", "remember",
+    "signature",
 ]  # fmt: skip
 
 BLOCKS = "blocks"  # a move: a list of ShardTensors (cat's), each block as it is
@@ -231,6 +232,28 @@ class LocalCall:
         return c.move(c.as_shard(a, self.mesh), move, self.cause)._local_tensor
 
 
+class Decomposed:
+    """Replay of an op torch decomposes: the decomposition again (each op in it replays
+    its own kept decision), its result given the global strides the full path gave it."""
+
+    __slots__ = ("fn", "layout", "stride", "anchors")
+
+    def __init__(self, fn, layout, stride, anchors):
+        self.fn, self.layout, self.stride, self.anchors = fn, layout, tuple(stride), anchors
+
+    def __call__(self, func, args, kwargs):
+        out = self.fn(*args, **kwargs)
+        if type(out) is not _ST or out._layout != self.layout:
+            raise RuntimeError(
+                f"shardlab internal error: {func}'s decomposition gave "
+                f"{getattr(out, '_layout', type(out).__name__)} where it gave {self.layout} "
+                "for the same signature before; please report it"
+            )
+        if out.stride() != self.stride and not any(out is a for a in args):
+            out = _ST._wrap(out._local_tensor, out.device_mesh, out._layout, stride=self.stride)
+        return out
+
+
 class Stale(Exception):
     """A kept decision that does not apply to these blocks: decide in full this time."""
 
@@ -249,6 +272,43 @@ class LocalView:
             return args[0].view(self.shape)
         except RuntimeError:  # this block's strides do not allow a view: the full path
             raise Stale from None
+
+
+class LocalReshape(LocalView):
+    """The block of a reshape (a copy where a view cannot be): as :class:`LocalView`."""
+
+    __slots__ = ()
+
+    def __call__(self, args, kwargs):
+        return args[0].reshape(self.shape)
+
+
+class LocalSlice:
+    """The block of a slice: this rank's ``[lo:hi:step]`` of its block along ``dim``
+    (an empty slice is ``narrow(dim, 0, 0)``)."""
+
+    __slots__ = ("dim", "lo", "hi", "step", "index")
+
+    def __init__(self, dim, lo, hi, step):
+        self.dim, self.lo, self.hi, self.step = dim, lo, hi, step
+        self.index = (slice(None),) * dim + (slice(lo, hi, step),)
+
+    def __call__(self, args, kwargs):
+        if self.lo >= self.hi:
+            return args[0].narrow(self.dim, 0, 0)
+        return args[0][self.index]
+
+
+class LocalExpand:
+    """The block of an expand: this rank's block expanded to its local ``shape``."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def __call__(self, args, kwargs):
+        return args[0].expand(self.shape)
 
 
 def _common():

@@ -70,8 +70,27 @@ def _decide(key, func, args, kwargs):
         if i < len(args) and isinstance(args[i], c.shard_tensor_cls()):
             c.written(args[i])
     if key is not None and not written:
-        _remember(key, func, args, kwargs, raw, out, ran == [pointwise_rule])
+        if ran and ran[0] is _DECOMPOSED:
+            _remember_decomposed(key, func, args, kwargs, out, ran[1])
+        else:
+            _remember(key, func, args, kwargs, raw, out, ran == [pointwise_rule])
     return out
+
+
+_DECOMPOSED = object()  # in ``ran``: torch's decomposition made the result
+
+
+def _remember_decomposed(key, func, args, kwargs, out, decomposed) -> None:
+    """An op torch decomposes (``addmm``, ``matmul`` …): kept as "decompose again" (each op
+    inside replays its own decision), skipping the adoption, the meta check and the
+    comparison with it, which hold for every call of the same signature."""
+    st = c.shard_tensor_cls()
+    if type(out) is not st or getattr(out, "_writeback", None):
+        return
+    meshes = {id(t.device_mesh): t.device_mesh for t in c.shards_in((args, kwargs))}
+    decisions.remember(
+        key, decisions.Decomposed(decomposed, out._layout, out.stride(), (func, *meshes.values()))
+    )
 
 
 def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
@@ -122,6 +141,7 @@ def _run(func, args, kwargs, meta, ran):
     if decomposed is not None:
         out = decomposed(*args, **kwargs)
         if out is not NotImplemented and _agrees(out, meta):
+            ran += [_DECOMPOSED, decomposed]
             return out
         # a decomposition whose results do not look like the op's (torch's own for the
         # fused CPU attention returns weights where the op returns a logsumexp): the

@@ -41,6 +41,14 @@ OPS = [
     lambda a, b: (  # cat: along an uncut dim (blocks as they are), along the cut one
         torch.cat([a, a * 2, b], -1)[..., :1] + torch.cat([b, a], 1)[:, : a.shape[1]]
     ),
+    lambda a, b: (  # slices of the cut dim and of the others, expand: kept per rank
+        a[:, 1:6:2, :2].sum(1, keepdim=True).expand(-1, 3, -1)
+        + b[:, :, -2:].sum(1, keepdim=True) * a[..., -1:].sum(1, keepdim=True)
+    ),
+    lambda a, b: (  # torch decomposes addmm, matmul and reshape-as-copy: kept as such
+        torch.addmm(a.sum(1)[:, :1].expand(-1, 3), b.sum(1), torch.ones(a.shape[2], 3))
+        + a.transpose(1, 2).reshape(a.shape[0], -1).sum(-1, keepdim=True)
+    ),
     # dot decomposes into ops with decisions of their own: none of them is dot's
     lambda a, b: torch.dot(a.flatten(), b.flatten()) + a.transpose(0, 1).sum(),
 ]

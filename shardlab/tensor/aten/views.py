@@ -21,7 +21,13 @@ from shardlab.layout.views import (
     slice_layout,
     view_layout,
 )
-from shardlab.tensor.decisions import LocalView, decided
+from shardlab.tensor.decisions import (
+    LocalExpand,
+    LocalReshape,
+    LocalSlice,
+    LocalView,
+    decided,
+)
 
 from . import _common as c
 from .registry import register
@@ -72,8 +78,9 @@ def view_to(x, shape, what: str = "view", copy: bool = False, op=None):
             return c.copied_local(y, base)
     if x is not base and not copy:
         return c.moved_view(y, base, x) if viewed else y
-    if viewed and op is not None:  # each block viewed as it is: kept per signature
-        decided(y, op[0], [None] * op[1], x.device_mesh, out, local=LocalView(local_shape))
+    if op is not None and x is base:  # each block viewed (reshaped) as it is: kept
+        local = LocalView(local_shape) if viewed else LocalReshape(local_shape)
+        decided(y, op[0], [None] * op[1], x.device_mesh, out, local=local)
     return y
 
 
@@ -113,11 +120,16 @@ def _squeeze(func, args, kwargs):
 @register(aten.expand.default, aten.expand_copy.default)
 def _expand(func, args, kwargs):
     x, shape = args[0], list(args[1])
+    base = x
     x, out = _unblocked(x, lambda lay: expand_layout(lay, shape), "expand")
-    y = x._local_tensor.expand(out.local_shape(c.me(x.device_mesh)))
+    local = LocalExpand(out.local_shape(c.me(x.device_mesh)))
+    y = local((x._local_tensor,), {})
     if func is aten.expand_copy.default:
-        y = y.clone()
-    return c.wrap(y, x.device_mesh, out)
+        return c.wrap(y.clone(), x.device_mesh, out)
+    y = c.wrap(y, x.device_mesh, out)
+    if x is base:  # each block expanded as it is: kept per signature
+        decided(y, func, [None] * (len(args) + len(kwargs)), x.device_mesh, out, local=local)
+    return y
 
 
 @register(aten.expand_as.default)
@@ -156,8 +168,9 @@ def _bounds(n: int, start, end, step) -> tuple[int, int, int]:
     return start, max(end, start), step
 
 
-def slice_of(x, dim: int, start, end, step: int = 1):
-    """``x[..., start:end:step, ...]`` along ``dim``: each rank slices its own block."""
+def slice_of(x, dim: int, start, end, step: int = 1, op=None):
+    """``x[..., start:end:step, ...]`` along ``dim``: each rank slices its own block.
+    ``op``: as for :func:`view_to` (the slice of the block as it is is kept)."""
     dim %= x.ndim
     start, end, step = _bounds(x.shape[dim], start, end, step)
 
@@ -173,22 +186,20 @@ def slice_of(x, dim: int, start, end, step: int = 1):
     except Blocked:
         x = c.move(x, moves.as_block(x._layout, dim), "auto-redistribute for slice")
         out = rule(x._layout)
-    local = x._local_tensor
     if x._layout.is_block(dim):
         coord = c.me(x.device_mesh)
         o, n = x._layout._piece(dim, coord)
         lo = max(start, o)
         first = start + -(-(lo - start) // step) * step
-        lo_l, hi_l = first - o, min(end, o + n) - o
-        y = (
-            local.narrow(dim, 0, 0)
-            if lo_l >= hi_l
-            else local[(slice(None),) * dim + (slice(lo_l, hi_l, step),)]
-        )
+        local = LocalSlice(dim, first - o, min(end, o + n) - o, step)
     else:
-        y = local[(slice(None),) * dim + (slice(start, end, step),)]
-    y = c.wrap(y, x.device_mesh, out)
-    return c.moved_view(y, base, x) if x is not base else y
+        local = LocalSlice(dim, start, end, step)
+    y = c.wrap(local((x._local_tensor,), {}), x.device_mesh, out)
+    if x is not base:
+        return c.moved_view(y, base, x)
+    if op is not None:  # this rank's slice of its block as it is: kept per signature
+        decided(y, op[0], [None] * op[1], x.device_mesh, out, local=local)
+    return y
 
 
 @register(aten.slice.Tensor, aten.slice_copy.Tensor)
@@ -198,12 +209,10 @@ def _slice(func, args, kwargs):
     start = args[2] if len(args) > 2 else kwargs.get("start")
     end = args[3] if len(args) > 3 else kwargs.get("end")
     step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    if func is aten.slice.Tensor:
+        return slice_of(x, dim, start, end, step, (func, len(args) + len(kwargs)))
     y = slice_of(x, dim, start, end, step)
-    return (
-        y
-        if func is aten.slice.Tensor
-        else c.wrap(y._local_tensor.clone(), y.device_mesh, y._layout)
-    )
+    return c.wrap(y._local_tensor.clone(), y.device_mesh, y._layout)
 
 
 def select_of(x, dim: int, index: int):
