@@ -319,3 +319,47 @@ def test_integer_indexing_and_its_gradient_stay_local(ranks_for):
     for world in (1, 3, 4):
         for ok_fwd, ok_bwd, extra in ranks_for(world).run(body)[0]:
             assert ok_fwd and ok_bwd and extra == [], extra
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_fused_attention_with_grouped_heads_on_cut_batches(ranks_for, world):
+    """torch's own F.scaled_dot_product_attention (not patched) on q, k, v cut along the
+    batch (uneven, an empty block on 3 ranks) or replicated, with fewer K/V heads than
+    query heads: each rank runs the fused kernel on its block (no message, no fallback),
+    forward and backward equal one device."""
+
+    def body():
+        from shardlab.trace import trace
+
+        mesh, n = this_rank().mesh, this_rank().world_size
+        gen = torch.Generator().manual_seed(7)
+        q0 = torch.randn(4, 4, 5, 3, generator=gen, dtype=torch.float64)
+        k0, v0 = (torch.randn(4, 2, 5, 3, generator=gen, dtype=torch.float64) for _ in "kv")
+        res = []
+        for places, sizes in (
+            ([Shard(0)], [[2, 0, 2][:n] if n == 3 else [4]]),
+            ([Replicate()], None),
+        ):
+            ref = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+            want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+            w = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+            (want * w).sum().backward()
+            st = [distribute(t, mesh, places, sizes).requires_grad_() for t in (q0, k0, v0)]
+            with trace() as t:
+                got = F.scaled_dot_product_attention(*st, is_causal=True, enable_gqa=True)
+                (got * distribute(w, mesh, places, sizes)).sum().backward()
+            res.append(
+                (
+                    torch.allclose(got.full_tensor(), want, atol=1e-12),
+                    all(
+                        torch.allclose(s.grad.full_tensor(), r.grad, atol=1e-12)
+                        for s, r in zip(st, ref)
+                    ),
+                    [e.label for e in t.events if "scaled_dot" in e.label or "fallback" in e.label],
+                )
+            )
+        return res
+
+    for res in ranks_for(world).run(body):
+        for ok_out, ok_grad, labels in res:
+            assert ok_out and ok_grad and labels == [], (ok_out, ok_grad, labels)

@@ -1,7 +1,8 @@
 """torch's fused attention kernels on ShardTensors whose batch or heads are cut.
 
 ``q, k, v (B, H, S, D)`` with B and/or H cut and every sequence whole: each rank runs
-the fused kernel on its own (batch, head) rows, forward and backward, no message::
+the fused kernel on its own (batch, head) rows, forward and backward, no message (with
+fewer K/V heads than query heads, grouped-query attention, only B may be cut)::
 
     rank r:  out[b_r, h_r] = attention(q[b_r, h_r], k[b_r, h_r], v[b_r, h_r])
 
@@ -36,6 +37,17 @@ def _whole_rows(*tensors) -> bool:
     )
 
 
+def _cut(dim, *tensors) -> bool:
+    """Does a mesh dim cut ``dim`` of any argument?"""
+    st = c.shard_tensor_cls()
+    return any(
+        isinstance(p, Shard) and p.dim == dim
+        for t in tensors
+        if isinstance(t, st)
+        for p in t._layout.placements
+    )
+
+
 def _like(t, target, mesh, cause):
     """``t`` (plain or ShardTensor) moved to ``target`` restricted to its shape."""
     st = c.shard_tensor_cls()
@@ -47,7 +59,8 @@ def _like(t, target, mesh, cause):
 def _fused(func, args, kwargs):
     mask = kwargs.get("attn_mask")
     qkv = args[1:4] if func is _BWD else args[0:3]
-    if not _whole_rows(*qkv, mask) or qkv[0].shape[1] != qkv[1].shape[1]:
+    gqa = qkv[0].shape[1] != qkv[1].shape[1]  # the kernel repeats the K/V heads itself
+    if not _whole_rows(*qkv, mask) or (gqa and _cut(1, *qkv, mask)):
         return NotImplemented  # a cut sequence (or GQA with cut heads): whole tensors
     mesh = c.the_mesh(c.shards_in((args, kwargs)))
     cause = f"{c.op_name(func)}.align"
