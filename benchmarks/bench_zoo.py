@@ -10,8 +10,9 @@ labels cut along the sequence. A step is forward + backward of the model's own l
 * collectives / messages: counted on rank 0 by ``shardlab.trace`` over one step;
 * MiB recv: what the busiest rank receives in one step (a ring all-reduce delivers
   2 (n-1)/n of its payload);
-* time: median of 3 steps after a warm-up, slowest rank; one device: the same step on
-  rank 0 alone. All ranks share this machine's cores, so times are indicative only.
+* time: median of ``--repeats`` steps (3) after a warm-up, slowest rank; one device: the
+  same step on rank 0 alone. All ranks share this machine's cores, so times are
+  indicative only (a few steps vary by a third from run to run: use ``--repeats 15``).
 """
 
 from __future__ import annotations
@@ -117,12 +118,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--models", default=",".join(_zoo.VISION + _zoo.DECODERS))
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps (median)")
     args = parser.parse_args(argv)
     ranks = shardlab.Ranks(args.ranks, timeout=120)
     rows = []
     try:
         for name in args.models.split(","):
-            res = ranks.run(body, name)
+            res = ranks.run(body, name, args.repeats)
             r0 = res[0]
             err = (r0["logits"] - r0["one_logits"]).abs().max().item()
             if r0["grad"] is not None and r0["one_grad"] is not None:
@@ -159,7 +161,7 @@ def main(argv=None):
     for r in rows:
         print(
             f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.3f} | {r[6]} "
-            f"| {r[7]:.0f} | {r[8]:.0f} |"
+            f"| {r[7]:.0f} | {r[8]:.1f} |"
         )
 
 

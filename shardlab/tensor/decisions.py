@@ -10,18 +10,22 @@ All of it is a pure function of the op's *signature*::
             plain tensor  -> shape, strides, dtype, device, requires_grad
             anything else -> its type and value (ints of a view, a dim, a dtype …))
 
-(the op and each mesh by identity, ``id``: a C hash, and each decision holds them alive,
-so an id in a kept key can never be another object's) so it is computed once per
-signature and kept (a bounded table, the oldest entry dropped
-first). A hit costs one pass over the arguments to build the key, the local call and the
-wrap: no meta run, no rule, no spec built. Anything the key cannot hold (a plain DTensor
-to adopt first, an unhashable argument) takes the full path every time.
+(the op and each mesh by identity, ``id``: a C hash; each decision holds them alive, so an
+id in a kept key can never be another object's), so it is computed once per signature and
+kept (a bounded table, the oldest entry dropped first). A hit costs one pass over the
+arguments to build the key, the local call and the wrap: no meta run, no rule, no spec
+built. Anything the key cannot hold (a plain DTensor to adopt first, an unhashable
+argument) takes the full path every time.
 
 A decision replays exactly what the full path did: which inputs move to which layout
 (moves are messages, and run again on every call, the same on every rank), then the op
-on the local blocks, then the result wrapped in the layout and global strides the full
-path gave it. Decisions are made only for the families whose result is the op on the
-moved local blocks (element-wise ops today); every other op keeps deciding in full.
+on the local blocks (:class:`LocalCall`; or what stands for it on the blocks: each
+rank's own view, reshape, slice or expand, :class:`LocalView` …), then the result
+wrapped in the layout and global strides the full path gave it. An op torch decomposes
+replays its decomposition (:class:`Decomposed`). A rule says its result is such a local
+call with :func:`decided`; only a mark made for this op at this depth is kept (an op
+inside a decomposition marks its own result, which is not the outer op's decision).
+Every other op keeps deciding in full.
 """
 
 from __future__ import annotations
