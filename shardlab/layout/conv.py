@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from ._checks import as_int, int_tuple
 from ._windows import OVERHANG, PAD, Rows, blocks_of, forward_window, transposed_window
-from .shards import offsets
+from .shards import _typed, offsets
 
 __all__ = [
     "OVERHANG", "PAD", "PADDING_MODES", "ConvPlan", "Rows", "conv_out_length", "conv_plan",
@@ -218,8 +218,8 @@ def _kept(plan):
 
     @functools.wraps(plan)
     def conv_plan(*args, **kwargs):
-        try:
-            key = (args, tuple(sorted(kwargs.items())))
+        try:  # typed, as ShardLayout.build: True and 1.0 are refused where 1 is not
+            key = (_typed(args), _typed(tuple(sorted(kwargs.items()))))
             hit = table.get(key)
         except TypeError:  # a list among the arguments: planned every time
             return plan(*args, **kwargs)

@@ -92,13 +92,23 @@ _REPLACED: dict = {}  # (layout, its typed changes) -> ShardLayout.replace's lay
 
 
 def _typed(value):
-    """A hashable stand-in for an argument of :meth:`ShardLayout.build` that tells apart
-    what build treats apart (lists of lists, bools, floats); TypeError if unhashable."""
+    """A hashable stand-in for an argument (of :meth:`ShardLayout.build`, ``replace``,
+    :func:`~shardlab.layout.conv_plan`) that tells apart every type, down the nesting:
+    a list from a tuple, a bool or a float from an int; TypeError if unhashable."""
     t = type(value)
     if t is list or t is tuple or t is torch.Size:
-        return (list, tuple(_typed(v) for v in value))
+        return (t, tuple(_typed(v) for v in value))
     hash(value)
     return (t, value)
+
+
+def _int_coord(coord) -> tuple:
+    """``coord`` as a tuple, refused (as :meth:`ShardLayout._coord` does) unless it holds
+    ints only: the caches keyed by it must not take ``(True,)`` or ``(1.0,)`` for ``(1,)``."""
+    c = tuple(coord)
+    if any(type(i) is not int for i in c):
+        int_tuple("coord", coord)  # raises TypeError naming the entry
+    return c
 
 
 @dataclass(frozen=True, repr=False)
@@ -371,7 +381,7 @@ class ShardLayout:
 
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
         """Shape of the block held by the rank at ``coord``."""
-        return _local_shape(self, tuple(coord))
+        return _local_shape(self, _int_coord(coord))
 
     def _local_shape(self, coord: tuple[int, ...]) -> tuple[int, ...]:
         c = self._coord(coord)
@@ -391,11 +401,11 @@ class ShardLayout:
         An empty piece starts where it sits in :meth:`sizes_along` (for empty nested pieces
         torch's ``compute_local_shape_and_global_offset`` reports the dim size instead).
         """
-        return tuple(start for start, _ in _local_box(self, tuple(coord)))
+        return tuple(start for start, _ in _local_box(self, _int_coord(coord)))
 
     def local_box(self, coord: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """The block as global ``[start, stop)`` ranges, one per tensor dim."""
-        return _local_box(self, tuple(coord))
+        return _local_box(self, _int_coord(coord))
 
     def _local_box(self, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         c = self._coord(coord)

@@ -31,7 +31,6 @@ Every other op keeps deciding in full.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -155,8 +154,8 @@ def _sig(a, st):
         return (torch.Tensor, a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
     if t is list or t is tuple:
         return (t, *(_sig(v, st) for v in a))
-    if t is float and math.isnan(a):
-        return (float, "nan")  # nan != nan: it would never hit
+    if (t is float or t is complex) and a != a:
+        return (t, "nan", str(a))  # nan != nan: it would never hit
     if t in _SCALARS:
         return (t, a)  # the type too: True, 1 and 1.0 are equal keys otherwise
     raise _Uncacheable
@@ -186,7 +185,7 @@ class LocalCall:
         self.outs = tuple(
             (layout, layout.local_shape(me),
              _compat.dtensor_spec(mesh, layout.placements, layout.global_shape, tuple(stride),
-                                  dtype))
+                                  dtype), dtype)
             for layout, stride, dtype in outs
         )  # fmt: skip
 
@@ -210,10 +209,16 @@ class LocalCall:
         else:
             out = self.local(local_args, local_kwargs)
         if not self.many:
+            for a in local_args:  # an op that returns its input (lift_fresh): an alias
+                if out is a:
+                    out = out.detach()
+                    break
             return self._wrap(func, out, *self.outs[0], st)
         return tuple(self._wrap(func, o, *how, st) for o, how in zip(out, self.outs))
 
-    def _wrap(self, func, out, layout, local_shape, spec, st):
+    def _wrap(self, func, out, layout, local_shape, spec, dtype, st):
+        if out.dtype != dtype:  # torch's default dtype changed since (int * 0.5)
+            raise Stale
         if out.shape != local_shape:
             raise RuntimeError(
                 f"shardlab internal error: {func} gave a local block of shape "
@@ -253,8 +258,13 @@ class Decomposed:
                 f"{getattr(out, '_layout', type(out).__name__)} where it gave {self.layout} "
                 "for the same signature before; please report it"
             )
-        if out.stride() != self.stride and not any(out is a for a in args):
-            out = _ST._wrap(out._local_tensor, out.device_mesh, out._layout, stride=self.stride)
+        if out.stride() != self.stride and not any(
+            out is a for a in _common().shards_in((args, kwargs))
+        ):  # as dispatch._with_strides: the global strides torch gives on one device
+            new = _ST._wrap(out._local_tensor, out.device_mesh, out._layout, stride=self.stride)
+            if hasattr(out, "_writeback"):
+                new._writeback = out._writeback
+            out = new
         return out
 
 

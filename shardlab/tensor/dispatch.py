@@ -70,7 +70,7 @@ def _decide(key, func, args, kwargs):
         if i < len(args) and isinstance(args[i], c.shard_tensor_cls()):
             c.written(args[i])
     if key is not None and not written:
-        if ran and ran[0] is _DECOMPOSED:
+        if ran and ran[0] is _DECOMPOSED:  # decomposed with no rule tried first
             _remember_decomposed(key, func, args, kwargs, out, ran[1])
         else:
             _remember(key, func, args, kwargs, raw, out, ran == [pointwise_rule])
@@ -137,6 +137,7 @@ def _run(func, args, kwargs, meta, ran):
         if out is not NotImplemented:
             ran.append(handler)
             return out
+        ran.append(NotImplemented)  # a rule that declined may have sent (c.reduced) first
     decomposed = _compat.decomposition(func)
     if decomposed is not None:
         out = decomposed(*args, **kwargs)

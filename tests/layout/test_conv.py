@@ -204,3 +204,7 @@ def test_plans_are_kept_per_arguments_and_errors_are_not():
     for _ in range(2):
         with pytest.raises(ValueError, match="output_padding"):
             conv_plan([5, 0, 4], 3, output_padding=1)
+    with pytest.raises(TypeError, match="stride"):  # True == 1, but refused, not a hit
+        conv_plan((5, 0, 4), 3, True)
+    with pytest.raises(TypeError, match="kernel_size"):
+        conv_plan((5, 0, 4), 3.0, padding=1)

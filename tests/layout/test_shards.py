@@ -269,7 +269,8 @@ def test_build_keeps_layouts_per_typed_arguments():
     """build keeps each layout per arguments; equal values of other types (2.0, True)
     are other arguments, so the checks still refuse them after the int form was kept."""
     ok = ShardLayout.build((18, 3), (4,), [Shard(0)], [5, 5, 4, 4])
-    assert ShardLayout.build([18, 3], (4,), (Shard(0),), (5, 5, 4, 4)) is ok
+    assert ShardLayout.build((18, 3), (4,), [Shard(0)], [5, 5, 4, 4]) is ok
+    assert ShardLayout.build([18, 3], (4,), (Shard(0),), (5, 5, 4, 4)) == ok  # kept apart
     with pytest.raises(TypeError, match=r"sizes\[2\]"):
         ShardLayout.build((18, 3), (4,), [Shard(0)], [5, 5, 4.0, 4])
     with pytest.raises(TypeError, match=r"global_shape\[0\]"):
@@ -290,6 +291,14 @@ def test_replace_keeps_layouts_per_typed_changes_and_boxes_per_coordinate():
     assert base.replace(global_shape=(18, 4)) is a and a.global_shape == (18, 4)
     with pytest.raises(TypeError, match=r"global_shape\[1\]"):  # 4.0: refused, not a hit
         base.replace(global_shape=(18, 4.0))
+    kept = base.replace(sizes=(((3, 5, 5, 5),),))
+    assert base.replace(sizes=(((3, 5, 5, 5),),)) is kept
+    with pytest.raises(ValueError, match="sizes"):  # the list form: refused, not a hit
+        base.replace(sizes=[[[3, 5, 5, 5]]])
     assert base.local_box((2,)) == ((10, 14), (0, 3)) and base.local_offset([3]) == (14, 0)
     with pytest.raises(ValueError, match="coord"):
         base.local_box((4,))
+    for bad in [(True,), (1.0,)]:  # not the kept (1,)
+        for method in (base.local_box, base.local_offset, base.local_shape):
+            with pytest.raises(TypeError, match=r"coord\[0\]"):
+                method(bad)

@@ -203,3 +203,39 @@ def test_a_kept_view_of_blocks_that_cannot_be_viewed_decides_in_full(ranks_for):
 
     for ok in ranks_for(2).run(body):
         assert all(ok), ok
+
+
+def test_a_kept_decision_follows_the_default_dtype(ranks_for):
+    """``int * 0.5`` takes its dtype from torch's default dtype, which is not in the key:
+    after the default changes, the kept decision does not apply and the op decides anew."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        from shardlab import distribute, this_rank
+        from shardlab.tensor import decisions
+
+        mesh = this_rank().mesh
+        ints = distribute(torch.arange(10).reshape(2, 5), mesh, [Shard(1)], [[3, 2]])
+        half = torch.ops.aten.mul.Tensor
+        decisions.clear()
+        first = half(ints, 0.5)
+        half(ints, 0.5)
+        kept = len(decisions._TABLE) == 1  # decided once, then replayed
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            second = half(ints, 0.5)
+            want = torch.arange(10).reshape(2, 5) * 0.5
+        finally:
+            torch.set_default_dtype(old)
+        return (
+            kept,
+            first.dtype == torch.float32,
+            second.dtype == second.to_local().dtype == want.dtype == torch.float64,
+            second._spec.tensor_meta.dtype == torch.float64,  # what DTensor's code reads
+            torch.equal(second.full_tensor(), want),
+        )
+
+    for ok in ranks_for(2).run(body):
+        assert all(ok), ok

@@ -115,3 +115,25 @@ def test_writes_through_views_reach_the_base(ranks_for):
 
     for res in ranks_for(3).run(body):
         assert all(ok for _, _, ok in res), [r for r in res if not r[2]]
+
+
+def test_view_copy_and_slice_copy_are_copies(ranks_for):
+    """``view_copy`` (like ``slice_copy``) returns a new tensor: writing into it leaves the
+    input as it was (its local blocks could be viewed, so a reshape would alias them)."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        g = torch.arange(12.0).reshape(3, 4)
+        st = distribute(g, mesh, [Shard(0)], [[2, 1]])
+        y = torch.ops.aten.view_copy.default(st, [12])
+        z = torch.ops.aten.slice_copy.Tensor(st, 1, 1, 3)
+        y.mul_(0)
+        z.mul_(0)
+        return torch.equal(st.full_tensor(), g), torch.equal(y.full_tensor(), torch.zeros(12))
+
+    for ok in ranks_for(2).run(body):
+        assert all(ok), ok

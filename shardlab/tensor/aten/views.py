@@ -92,7 +92,10 @@ def view_to(x, shape, what: str = "view", copy: bool = False, op=None):
     aten.view_copy.default,
 )
 def _view(func, args, kwargs):
-    copy = func in (aten.reshape.default, aten.view_copy.default)
+    if func is aten.view_copy.default:  # a new tensor, never an alias of the input's block
+        y = view_to(args[0], args[1], c.op_name(func), copy=True)
+        return c.wrap(y._local_tensor.clone(), y.device_mesh, y._layout)
+    copy = func is aten.reshape.default
     return view_to(args[0], args[1], c.op_name(func), copy, (func, len(args) + len(kwargs)))
 
 
