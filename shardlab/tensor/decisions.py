@@ -135,7 +135,8 @@ def signature(func, args, kwargs):
     return tuple(key)  # hashed once, by the lookup (which returns None if it cannot)
 
 
-_SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
+# arguments kept in a key by type and value (and that nothing needs to prepare)
+SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
             torch.memory_format, torch.layout)  # fmt: skip
 
 
@@ -156,7 +157,7 @@ def _sig(a, st):
         return (t, *(_sig(v, st) for v in a))
     if (t is float or t is complex) and a != a:
         return (t, "nan", str(a))  # nan != nan: it would never hit
-    if t in _SCALARS:
+    if t in SCALARS:
         return (t, a)  # the type too: True, 1 and 1.0 are equal keys otherwise
     raise _Uncacheable
 

@@ -87,10 +87,14 @@ def _remember_decomposed(key, func, args, kwargs, out, decomposed) -> None:
     st = c.shard_tensor_cls()
     if type(out) is not st or getattr(out, "_writeback", None):
         return
+    anchors = _anchors(func, args, kwargs)
+    decisions.remember(key, decisions.Decomposed(decomposed, out._layout, out.stride(), anchors))
+
+
+def _anchors(func, args, kwargs) -> tuple:
+    """The objects a key names by ``id``: the op and every mesh (kept alive by the decision)."""
     meshes = {id(t.device_mesh): t.device_mesh for t in c.shards_in((args, kwargs))}
-    decisions.remember(
-        key, decisions.Decomposed(decomposed, out._layout, out.stride(), (func, *meshes.values()))
-    )
+    return (func, *meshes.values())
 
 
 def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
@@ -113,8 +117,7 @@ def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
         if [o._layout for o in outs] != list(layouts):
             return  # not what the rule said it made: decide in full every time
         outs = [(o._layout, o.stride(), o.dtype) for o in outs]
-        meshes = {id(t.device_mesh): t.device_mesh for t in c.shards_in((args, kwargs))}
-        anchors = (func, *meshes.values())
+        anchors = _anchors(func, args, kwargs)
         decisions.remember(key, decisions.LocalCall(moves, mesh, outs, many, cause, anchors, local))
 
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
 from shardlab.layout import ShardLayout, moves
+from shardlab.tensor.decisions import SCALARS
 from shardlab.tensor.recompute import fenced
 
 __all__ = ["prepare"]
@@ -79,13 +80,9 @@ def _ready(values, keep_strided: bool) -> bool:
         elif t is list or t is tuple:
             if not _ready(a, keep_strided):
                 return False
-        elif isinstance(a, DTensor) or not (t in _PLAIN or isinstance(a, torch.Tensor)):
+        elif isinstance(a, DTensor) or not (t in SCALARS or isinstance(a, torch.Tensor)):
             return False
     return True
-
-
-_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
-          torch.memory_format, torch.layout)  # fmt: skip
 
 
 def prepare(args, kwargs, name: str, keep_strided: bool = False):
