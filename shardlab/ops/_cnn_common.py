@@ -270,8 +270,10 @@ def summed_grads(tensors, input, cause):
         for t in tensors
     ]
     trained = [i for i, t in enumerate(out) if t is not None and t.requires_grad]
+    if not trained or not torch.is_grad_enabled():
+        return out
     groups = groups_over(mesh, sharding_mesh_dims(layout))
-    if trained and groups and torch.is_grad_enabled():
+    if groups:
         summed = _SumGrads.apply(groups, cause, *[out[i] for i in trained])
         for i, t in zip(trained, summed):
             out[i] = t

@@ -20,7 +20,7 @@ argument) takes the full path every time.
 A decision replays exactly what the full path did: which inputs move to which layout
 (moves are messages, and run again on every call, the same on every rank), then the op
 on the local blocks (:class:`LocalCall`; or what stands for it on the blocks: each
-rank's own view, reshape, slice or expand, :class:`LocalView` …), then the result
+rank's own view, reshape, slice, expand or slice gradient, :class:`LocalView` …), then the result
 wrapped in the layout and global strides the full path gave it. An op torch decomposes
 replays its decomposition (:class:`Decomposed`). A rule says its result is such a local
 call with :func:`decided`; only a mark made for this op at this depth is kept (an op
@@ -38,11 +38,13 @@ from shardlab import _compat
 
 __all__ = [
     "BLOCKS", "Decomposed", "LocalCall", "LocalExpand", "LocalReshape", "LocalSlice",
+    "LocalSliceBackward",
     "LocalView", "Stale", "clear", "decided", "deciding", "depth", "lookup", "remember",
     "signature",
 ]  # fmt: skip
 
-BLOCKS = "blocks"  # a move: a list of ShardTensors (cat's), each block as it is
+BLOCKS = "blocks"  # a move: a list of ShardTensors (cat's), each block as it is (and
+# the empty 1-D tensors torch.cat skips)
 
 _TABLE: dict = {}
 _DEPTH = [0]  # full decisions under way (a rule's own ops are decided inside its op's)
@@ -117,23 +119,28 @@ def signature(func, args, kwargs):
     """The key of the decision for ``func(*args, **kwargs)``, or None (not cacheable)."""
     st = _ST or _shard_tensor()
     try:
-        key = [id(func)]  # ids (C hashes): the decision holds func and the meshes alive
-        for a in args:
-            if type(a) is st:  # the common case, inline
-                layout = a._layout
-                if layout is None:
-                    return None  # a traced stand-in: the full path breaks the graph
-                key.append((st, id(a._spec.mesh), layout, a.stride(), a.dtype, a.requires_grad))
-            else:
-                key.append(_sig(a, st))
-        if kwargs:
-            for k, v in kwargs.items():
-                key.append(k)
-                key.append(_sig(v, st))
+        # a ShardTensor's stride(), dtype and requires_grad each call its
+        # __torch_function__ (~1 us each, more than the rest of the key): read them in C
+        with _NO_TORCH_FUNCTION():
+            key = [id(func)]  # ids (C hashes): the decision holds func and the meshes alive
+            for a in args:
+                if type(a) is st:  # the common case, inline
+                    layout = a._layout
+                    if layout is None:
+                        return None  # a traced stand-in: the full path breaks the graph
+                    key.append((st, id(a._spec.mesh), layout, a.stride(), a.dtype, a.requires_grad))
+                else:
+                    key.append(_sig(a, st))
+            if kwargs:
+                for k, v in kwargs.items():
+                    key.append(k)
+                    key.append(_sig(v, st))
     except _Uncacheable:
         return None
     return tuple(key)  # hashed once, by the lookup (which returns None if it cannot)
 
+
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 # arguments kept in a key by type and value (and that nothing needs to prepare)
 SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
@@ -234,8 +241,8 @@ class LocalCall:
     def _local(self, a, move, st):
         if move is None:
             return a._local_tensor if type(a) is st else a
-        if move is BLOCKS:
-            return [t._local_tensor for t in a]
+        if move is BLOCKS:  # a plain tensor in the list: only ever a skipped empty one
+            return [t._local_tensor if type(t) is st else t for t in a]
         c = _common()
         if type(a) is st:
             return c.move(a, move, self.cause)._local_tensor
@@ -312,6 +319,22 @@ class LocalSlice:
         if self.lo >= self.hi:
             return args[0].narrow(self.dim, 0, 0)
         return args[0][self.index]
+
+
+class LocalSliceBackward:
+    """The block of a slice's gradient: zeros of this rank's ``shape``, its block of the
+    gradient written at ``index`` (None: the rank holds none of the slice)."""
+
+    __slots__ = ("shape", "index")
+
+    def __init__(self, shape, index):
+        self.shape, self.index = tuple(shape), index
+
+    def __call__(self, args, kwargs):
+        y = args[0].new_zeros(self.shape)
+        if self.index is not None:
+            y[self.index] = args[0]
+        return y
 
 
 class LocalExpand:

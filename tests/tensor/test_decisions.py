@@ -239,3 +239,77 @@ def test_a_kept_decision_follows_the_default_dtype(ranks_for):
 
     for ok in ranks_for(2).run(body):
         assert all(ok), ok
+
+
+def _training_body(seed):
+    """Forward and backward through the ops whose rules keep their own decisions with
+    moves or per-rank work: embedding and its dense backward, cat with a cache's empty
+    tensor, a slice's gradient, fused attention on cut batches, backward's ones_like."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute, this_rank
+        from shardlab.tensor import decisions
+        from tests.tensor._cases import random_sizes
+
+        aten = torch.ops.aten
+        mesh = this_rank().mesh
+        rng = random.Random(seed)
+        n = mesh.size()
+        b, s, d, vocab = rng.randint(1, 3), rng.randint(1, 7), 4, 11
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (b, s), generator=g)
+        w0 = torch.randn(vocab, d, dtype=torch.float64, generator=g)
+        q0 = torch.randn(b, 2, 5, d, dtype=torch.float64, generator=g)
+        mask = torch.randn(b, 1, 5, 5, dtype=torch.float64, generator=g)
+
+        def step(ids, w, q):
+            e = F.embedding(ids, w)  # (B, S, D)
+            h = torch.cat([e.new_empty(0), e * 2], 2)  # a cache's first step
+            y = h[:, 1:, :3].sum() + h[:, :, -1:].pow(2).sum()  # slice_backward twice
+            att = F.scaled_dot_product_attention(q, q * 0.5, q, attn_mask=mask)  # fused
+            # (on whole rows; the plain mask is cut like the batch: each rank's slice)
+            return y + att.pow(2).sum()
+
+        w, q = w0.clone().requires_grad_(), q0.clone().requires_grad_()
+        step(ids, w, q).backward()
+        want = (step(ids, w0, q0).detach(), w.grad, q.grad)
+        sid = random_sizes(rng, s, n)
+        sq = random_sizes(rng, b, n)
+        bad, events = [], []
+        decisions.clear()
+        for i in range(3):  # a miss, then hits
+            w, qg = w0.clone().requires_grad_(), q0.clone().requires_grad_()
+            st_ids = distribute(ids, mesh, [Shard(1)], [sid])
+            q = distribute(qg, mesh, [Shard(0)], [sq])
+            with shardlab.trace() as t:
+                loss = step(st_ids, w, q)
+                loss.backward()
+            events.append((t.counts(), t.bytes(kind="send")))
+            got = (loss.full_tensor().detach(), w.grad, qg.grad)
+            for name, x, y in zip(("loss", "weight grad", "q grad"), got, want):
+                if not torch.allclose(x, y, atol=1e-12):
+                    bad.append((i, name))
+            if events[-1] != events[0]:
+                bad.append((i, "messages", events[-1], events[0]))
+        kept = {k[0] for k in decisions._TABLE}
+        ops = [aten.embedding.default, aten.embedding_dense_backward.default, aten.cat.default,
+               aten.slice_backward.default, aten.ones_like.default]  # fmt: skip
+        if q.to_local().numel():  # a rank with no rows runs no kernel: it decides every time
+            ops += [
+                aten._scaled_dot_product_flash_attention_for_cpu.default,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            ]
+        missing = [str(op) for op in ops if id(op) not in kept]
+        return bad, missing
+
+    return body
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_kept_decisions_in_a_training_step_equal_torch(ranks_for, world, seed):
+    for bad, missing in ranks_for(world).run(_training_body(world * 10 + seed)):
+        assert bad == [] and missing == [], (bad, missing)

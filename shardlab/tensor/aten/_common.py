@@ -122,6 +122,22 @@ def local_call(func, args, kwargs, mesh, layout: ShardLayout, moves=None, cause=
     return out
 
 
+def keep_moves(func, args, kwargs, used: dict, results, mesh, layouts, cause: str) -> None:
+    """Keep a rule's decision for the signature (:func:`local_call`'s mark, for rules that
+    move and call themselves): ``used`` maps the position of each tensor argument moved
+    (positional, then keyword values; absent: its block as it is) to what the op ran on,
+    moved with the label ``cause`` (a plain tensor: itself when used whole)."""
+    st = shard_tensor_cls()
+    values = (*args, *kwargs.values())
+    moves = [None] * len(values)
+    for i, u in used.items():
+        g = values[i]
+        if u is g or (not isinstance(g, st) and isinstance(u, st) and u._local_tensor is g):
+            continue
+        moves[i] = u._layout
+    decisions.decided(results, func, moves, mesh, layouts, cause)
+
+
 def replicate_layout(shape, mesh) -> ShardLayout:
     return ShardLayout.build(tuple(shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
 

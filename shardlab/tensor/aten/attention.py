@@ -70,9 +70,10 @@ def _fused(func, args, kwargs):
     lay = q._layout  # (B, H, S_q, D): batch / heads cut, the rest whole
     b, h, sq = q.shape[:3]
     scores = target_from(lay, (b, h, sq, qkv[1].shape[2]), [False] * mesh.ndim)
-    local_kwargs = dict(kwargs)
+    local_kwargs, used, ran = dict(kwargs), {}, False
     if mask is not None:
-        local_kwargs["attn_mask"] = _like(mask, scores, mesh, cause)._local_tensor
+        used[len(args) + list(kwargs).index("attn_mask")] = m = _like(mask, scores, mesh, cause)
+        local_kwargs["attn_mask"] = m._local_tensor
     rows = select_dims_layout(lay, [0, 1, 2])  # (B, H, S_q): the logsumexp
     if func is _FWD:
         k, v = (_like(t, lay, mesh, cause) for t in args[1:3])
@@ -84,10 +85,16 @@ def _fused(func, args, kwargs):
             out, lse = func(
                 q._local_tensor, k._local_tensor, v._local_tensor, *args[3:], **local_kwargs
             )
-        return (
+            used.update({0: q, 1: k, 2: v})
+            ran = True
+        results = (
             c.wrap(out, mesh, lay.replace(global_shape=(b, h, sq, v.shape[-1]))),
             c.wrap(lse, mesh, rows),
         )
+        if ran:  # the kernel on this rank's blocks: kept per signature
+            layouts = tuple(r._layout for r in results)
+            c.keep_moves(func, args, kwargs, used, results[0], mesh, layouts, cause)
+        return results
     g, k, v, o = (_like(t, lay, mesh, cause) for t in (args[0], args[2], args[3], args[4]))
     lse = _like(args[5], rows, mesh, cause)
     if q._local_tensor.numel() == 0 or k._local_tensor.numel() == 0:
@@ -103,4 +110,10 @@ def _fused(func, args, kwargs):
             *args[6:],
             **local_kwargs,
         )
-    return c.wrap(dq, mesh, lay), c.wrap(dk, mesh, k._layout), c.wrap(dv, mesh, v._layout)
+        used.update({0: g, 1: q, 2: k, 3: v, 4: o, 5: lse})
+        ran = True
+    results = (c.wrap(dq, mesh, lay), c.wrap(dk, mesh, k._layout), c.wrap(dv, mesh, v._layout))
+    if ran:  # the kernel on this rank's blocks: kept per signature
+        layouts = tuple(r._layout for r in results)
+        c.keep_moves(func, args, kwargs, used, results[0], mesh, layouts, cause)
+    return results

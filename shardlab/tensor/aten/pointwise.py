@@ -19,6 +19,7 @@ from torch.distributed.tensor import Partial
 
 from shardlab.layout.elementwise import restrict, target_from
 from shardlab.layout.moves import move_cost
+from shardlab.tensor import decisions
 
 from . import _common as c
 
@@ -93,9 +94,14 @@ def pointwise(func, args, kwargs, meta_out=None):
     if func.overloadpacket in _LIKE:  # only the layout of x matters, not its values
         x = args[0]
         out = func(x._local_tensor, *args[1:], **kwargs)
+        layout = c.without_partial(x._layout)
+        wrapped = c.wrap(out, x.device_mesh, layout)
         if func.overloadpacket is aten.empty_like:
             out.zero_()  # replicas must agree
-        return c.wrap(out, x.device_mesh, c.without_partial(x._layout))
+        else:  # the op on the block as it is: kept per signature (backward's seed)
+            keep = [None] * (len(args) + len(kwargs))
+            decisions.decided(wrapped, func, keep, x.device_mesh, layout)
+        return wrapped
     shards = c.shards_in((args, kwargs))
     mesh = c.the_mesh(shards)
     nm = mesh.ndim

@@ -41,7 +41,8 @@ def _cat(func, args, kwargs):
     ref = max(shards, key=lambda s: s.numel())
     dim %= ref.ndim
     cause = "cat.align"
-    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0 and ref.ndim > 1)]
+    given = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0 and ref.ndim > 1)]
+    tensors = given  # torch.cat skips 1-D empty tensors (a cache's first step), so do we
     tensors = [
         c.reduced(t if isinstance(t, c.shard_tensor_cls()) else c.as_shard(t, mesh), "cat.partial")
         for t in tensors
@@ -55,8 +56,9 @@ def _cat(func, args, kwargs):
         out_layout = lay.replace(global_shape=_cat_shape(tensors, dim))
         moved = [c.move(t, restrict(lay, t.shape, [False] * mesh.ndim), cause) for t in tensors]
         out = c.wrap(torch.cat([t._local_tensor for t in moved], dim), mesh, out_layout)
-        if len(moved) == len(args[0]) and all(m is t for m, t in zip(moved, args[0])):
-            # every block as it is (nothing dropped, reduced or moved): kept per signature
+        if all(m is t for m, t in zip(moved, given)):
+            # every block as it is (nothing reduced or moved; a skipped empty tensor is
+            # skipped by torch.cat on the blocks too): kept per signature
             keep = [BLOCKS] + [None] * (len(args) - 1 + len(kwargs))
             decisions.decided(out, func, keep, mesh, out_layout)
         return out
@@ -176,6 +178,7 @@ def _slice_backward(func, args, kwargs):
     """Gradient of a slice: zeros around each rank's block of the gradient, no message.
     Along a cut dim, rank k's piece runs from its first sliced row to the next rank's."""
     grad, sizes, dim, start, end, step = args[:6]
+    given = grad
     dim %= grad.ndim
     n = sizes[dim]
     start, end = _clamp(start, n), _clamp(end, n)
@@ -203,13 +206,15 @@ def _slice_backward(func, args, kwargs):
     else:
         lo = 0
     out = lay.replace(global_shape=tuple(sizes), sizes=tuple(entry))
-    y = grad._local_tensor.new_zeros(out.local_shape(coord))
-    got = grad._local_tensor.shape[dim]
+    got, idx = grad._local_tensor.shape[dim], None
     if got:
         first = (start - lo) if not cut else (start + _first_index(lay, dim, coord) * step - lo)
         idx = (slice(None),) * dim + (slice(first, first + (got - 1) * step + 1, step),)
-        y[idx] = grad._local_tensor
-    return c.wrap(y, mesh, out)
+    local = decisions.LocalSliceBackward(out.local_shape(coord), idx)
+    y = c.wrap(local([grad._local_tensor], {}), mesh, out)
+    if grad is given:  # the gradient's block as it is: kept per signature
+        decisions.decided(y, func, [None] * (len(args) + len(kwargs)), mesh, out, local=local)
+    return y
 
 
 def _first_index(lay, dim, coord) -> int:
@@ -259,7 +264,7 @@ def _select_backward(func, args, kwargs):
 
 @register(aten.embedding.default)
 def _embedding(func, args, kwargs):
-    weight, indices = args[0], args[1]
+    weight, indices = given = args[0], args[1]
     st = c.shard_tensor_cls()
     mesh = c.the_mesh(c.shards_in((weight, indices)))
     weight = weight if isinstance(weight, st) else c.as_shard(weight, mesh)
@@ -295,8 +300,25 @@ def _embedding(func, args, kwargs):
         atoms,
         il.cuts,
     )
-    y = func(weight._local_tensor, indices._local_tensor, *args[2:], **kwargs)
-    return c.wrap(y, mesh, out)
+    y = c.wrap(func(weight._local_tensor, indices._local_tensor, *args[2:], **kwargs), mesh, out)
+    _keep(y, func, given, (weight, indices), args, kwargs, mesh, out, "embedding.align")
+    return y
+
+
+def _keep(y, func, given, used, args, kwargs, mesh, layout, cause) -> None:
+    """Keep the decision for the signature: the first two arguments were ``given``, the
+    op ran on the blocks of ``used``. Each one used as it is (a plain tensor is the same
+    on every rank: its block is itself) or moved to its layout with the label ``cause``;
+    the first must not have moved (its moves have another label)."""
+    st = c.shard_tensor_cls()
+    moves = [None] * (len(args) + len(kwargs))
+    for i, (g, u) in enumerate(zip(given, used)):
+        if u is g or (not isinstance(g, st) and u._local_tensor is g):
+            continue
+        if i == 0:
+            return
+        moves[i] = u._layout
+    decisions.decided(y, func, moves, mesh, layout, cause)
 
 
 @register(aten.embedding_dense_backward.default)
@@ -306,6 +328,7 @@ def _embedding_backward(func, args, kwargs):
     grad, indices, num_weights, padding_idx, scale_by_freq = args[:5]
     if scale_by_freq:
         return NotImplemented
+    given = (grad, indices)
     mesh = c.the_mesh(c.shards_in((grad, indices)))
     st = c.shard_tensor_cls()
     indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
@@ -321,7 +344,9 @@ def _embedding_backward(func, args, kwargs):
         for p in grad._layout.placements
     ]
     out = ShardLayout(tuple(y.shape), grad._layout.mesh_shape, tuple(places), (None,) * mesh.ndim)
-    return c.wrap(y, mesh, out)
+    y = c.wrap(y, mesh, out)
+    _keep(y, func, given, (grad, indices), args, kwargs, mesh, out, "embedding_backward.align")
+    return y
 
 
 @register(aten.tril.default, aten.triu.default)
