@@ -181,8 +181,9 @@ def owners(anchors: torch.Tensor, sizes) -> torch.Tensor:
 
 def groups_over(mesh, mesh_dims) -> list:
     """Process groups whose sequential all-reduces sum over ``mesh_dims``: one group (the
-    mesh dim's, or the world when the mesh dims span it), else one per mesh dim."""
-    mesh_dims = sorted(set(mesh_dims))
+    mesh dim's, or the world when the mesh dims span it), else one per mesh dim. A mesh
+    dim of one rank needs none (a sum over it is its one value)."""
+    mesh_dims = sorted(m for m in set(mesh_dims) if mesh.shape[m] > 1)
     if not mesh_dims:
         return []
     if len(mesh_dims) == 1:

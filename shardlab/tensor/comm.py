@@ -207,6 +207,27 @@ def _reduce_scatter_v(local, m, d, sizes, mesh, op) -> torch.Tensor:
     return mine
 
 
+def _same_block(src: ShardLayout, dst: ShardLayout, mesh, me) -> bool:
+    """Is this rank's block of ``dst`` its block of ``src``? So when every mesh dim whose
+    placement or sizes change has one rank (its one piece is the whole dim, a sum or max
+    over it is its one value), as DTensor skips such mesh dims."""
+    shape = mesh.shape
+    for m, (p, q) in enumerate(zip(src.placements, dst.placements)):
+        if (p != q or src.sizes[m] != dst.sizes[m]) and (
+            shape[m] != 1 or type(p) not in _PLAIN or type(q) not in _PLAIN
+        ):
+            return False
+    return (
+        src.global_shape == dst.global_shape
+        and src.is_block()
+        and dst.is_block()
+        and src.local_box(me) == dst.local_box(me)
+    )
+
+
+_PLAIN = (Shard, Replicate, Partial)  # not DTensor's own kinds (a p-norm's Partial)
+
+
 def redistribute_local(
     local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh, cause: str = "redistribute"
 ) -> torch.Tensor:
@@ -214,6 +235,8 @@ def redistribute_local(
     if src == dst:
         return local
     me = my_coord(mesh)
+    if _same_block(src, dst, mesh, me):  # only mesh dims of one rank change: no message
+        return local
     with label(cause):
         # 1. reduce Partial mesh dims that the target does not keep Partial
         for m, p in enumerate(src.placements):
