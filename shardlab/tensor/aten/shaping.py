@@ -307,18 +307,10 @@ def _embedding(func, args, kwargs):
 
 def _keep(y, func, given, used, args, kwargs, mesh, layout, cause) -> None:
     """Keep the decision for the signature: the first two arguments were ``given``, the
-    op ran on the blocks of ``used``. Each one used as it is (a plain tensor is the same
-    on every rank: its block is itself) or moved to its layout with the label ``cause``;
-    the first must not have moved (its moves have another label)."""
-    st = c.shard_tensor_cls()
-    moves = [None] * (len(args) + len(kwargs))
-    for i, (g, u) in enumerate(zip(given, used)):
-        if u is g or (not isinstance(g, st) and u._local_tensor is g):
-            continue
-        if i == 0:
-            return
-        moves[i] = u._layout
-    decisions.decided(y, func, moves, mesh, layout, cause)
+    op ran on ``used``; the second may have moved (with the label ``cause``), the first
+    not (its moves have another label)."""
+    if used[0] is given[0] or used[0]._local_tensor is given[0]:
+        c.keep_moves(func, args, kwargs, {1: used[1]}, y, mesh, layout, cause)
 
 
 @register(aten.embedding_dense_backward.default)
