@@ -363,3 +363,50 @@ def test_fused_attention_with_grouped_heads_on_cut_batches(ranks_for, world):
     for res in ranks_for(world).run(body):
         for ok_out, ok_grad, labels in res:
             assert ok_out and ok_grad and labels == [], (ok_out, ok_grad, labels)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_layer_norm_backward_on_whole_rows(ranks_for, world):
+    """torch's own layer norm (not patched) on rows cut along the batch or the sequence
+    (uneven, empty blocks): its backward runs on each rank's rows (the weight's and
+    bias's gradients summed once, by the parameters' own all-reduce), kept per
+    signature, equal to one device."""
+
+    def body():
+        from shardlab.tensor import decisions
+        from shardlab.trace import trace
+
+        mesh, n = this_rank().mesh, this_rank().world_size
+        rng = random.Random(world)
+        gen = torch.Generator().manual_seed(world)
+        ok = []
+        for d in (0, 1, 1):
+            x0 = torch.randn(3, 5, 4, generator=gen, dtype=torch.float64)
+            w0, b0 = (torch.randn(4, generator=gen, dtype=torch.float64) for _ in "wb")
+            ref = [t.clone().requires_grad_() for t in (x0, w0, b0)]
+            want = F.layer_norm(ref[0], (4,), ref[1], ref[2], 1e-3)
+            g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+            want.backward(g)
+            sizes = [random_sizes(rng, x0.shape[d], n)]
+            ours = [t.clone().requires_grad_() for t in (x0, w0, b0)]
+            decisions.clear()
+            x = distribute(ours[0], mesh, [Shard(d)], sizes)
+            with trace() as t:
+                y = F.layer_norm(x, (4,), ours[1], ours[2], 1e-3)
+                y.backward(distribute(g, mesh, [Shard(d)], sizes))
+            reduces = [e.label for e in t.events if e.kind == "all_reduce"]
+            kept = id(torch.ops.aten.native_layer_norm_backward.default) in {
+                k[0] for k in decisions._TABLE
+            }
+            ok.append(
+                (
+                    torch.allclose(y.full_tensor(), want, atol=1e-12),
+                    all(torch.allclose(o.grad, r.grad, atol=1e-12) for o, r in zip(ours, ref)),
+                    len(reduces) == (2 if n > 1 else 0),  # weight, bias
+                    kept,
+                )
+            )
+        return ok
+
+    for res in ranks_for(world).run(body):
+        assert all(all(r) for r in res), res

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout, moves
 from shardlab.layout.elementwise import restrict
@@ -209,3 +209,57 @@ def _cumsum(x, dim, dtype):
     if mine:
         local = local + torch.stack(gathered[:mine]).sum(0)
     return c.wrap(local, mesh, x._layout)
+
+
+@register(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(func, args, kwargs):
+    """Layer norm's backward with the normalised dims whole: each rank's rows alone.
+
+    grad_input is cut like the input; the weight's and bias's gradients are sums over
+    every row, so each rank holds its rows' part: Partial(sum) on the mesh dims that cut
+    the input, Replicate on the others (no message here; summed when read). The output
+    gradient moves to the input's layout first (from Replicate: each rank's slice).
+    Anything else (a cut normalised dim, Partial values): torch's decomposition."""
+    grad, x, shape, mean, rstd, weight, bias = args[:7]
+    st = c.shard_tensor_cls()
+    k = len(shape)
+    dims = list(range(x.ndim - k, x.ndim)) if isinstance(x, st) else []
+    rows = (grad, x, mean, rstd)
+    if (
+        kwargs
+        or not all(isinstance(t, st) for t in rows)
+        or any(isinstance(p, Partial) for t in rows for p in t._layout.placements)
+        or _cutting(x._layout, dims)
+        or mean._layout != rstd._layout
+        or mean._layout != _rows_layout(x, k)
+        or any(
+            isinstance(t, st) and any(not isinstance(p, Replicate) for p in t._layout.placements)
+            for t in (weight, bias)
+        )
+    ):
+        return NotImplemented
+    mesh, lay = x.device_mesh, x._layout
+    cause = "native_layer_norm_backward.align"
+    moved = c.move(grad, lay, cause)  # cut like the input (from Replicate: a slice)
+    local_args, _ = c.locals_of(([moved, *args[1:]], {}))
+    dx, dw, db = func(*local_args)
+    summed = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in lay.placements)
+    outs = [c.wrap(dx, mesh, lay) if dx is not None else None]
+    for g in (dw, db):
+        outs.append(
+            None
+            if g is None
+            else c.wrap(
+                g, mesh, ShardLayout(tuple(g.shape), lay.mesh_shape, summed, (None,) * len(summed))
+            )
+        )
+    if all(o is not None for o in outs):  # the kernel on the blocks: kept per signature
+        layouts = tuple(o._layout for o in outs)
+        c.keep_moves(func, args, kwargs, {0: moved}, outs[0], mesh, layouts, cause)
+    return tuple(outs)
+
+
+def _rows_layout(x, k):
+    """The layout of layer norm's mean and rstd: x's, with its last k dims of size 1."""
+    lay = x._layout
+    return lay.replace(global_shape=tuple(lay.global_shape[: x.ndim - k]) + (1,) * k)
