@@ -32,8 +32,9 @@ Forward, per row r (every per-row tensor keeps the class dim with size 1)::
        over the world)                                                      collective 3
 
 Steps 1-2 run only when a mesh dim shards the classes, step 4's all-reduce only for
-'sum'/'mean' with sharded rows. Exact counts per forward: vocab-parallel 2 all-reduces
-of 1 and 2 (3 with label smoothing or probability targets) numbers per local row,
+'sum'/'mean' with sharded rows (a mesh dim of one rank shards nothing here: no
+collective). Exact counts per forward: vocab-parallel 2 all-reduces of 1 and 2 (3
+with label smoothing or probability targets) numbers per local row,
 +1 of 3 numbers with sharded rows; segmentation 1 of 3 numbers ('none': 0). Backward:
 no collective, d loss_r / d x_rc = g_r ((1 - eps) w_t (p_rc - [c = t_r]) +
 eps / C (W p_rc - w_c)) (probability targets: g_r (B_r p_rc - w_c q_rc)) with
@@ -128,7 +129,9 @@ def cross_entropy(
         cd=cd,
         n_classes=input.shape[cd],
         offset=layout._piece(cd, coord)[0],
-        class_group=None if class_dim is None else mesh.get_group(class_dim),
+        class_group=(
+            None if class_dim is None or mesh.shape[class_dim] == 1 else mesh.get_group(class_dim)
+        ),
         row_groups=_row_groups(mesh, row_dims),
         weight=ce_args.full_weight(weight),
         ignore_index=ignore_index,
@@ -267,7 +270,9 @@ def _view_on(w, x, cd):
 
 
 def _row_groups(mesh, row_dims) -> list:
-    """Process groups whose all-reduces, one after the other, sum over the row shards."""
+    """Process groups whose all-reduces, one after the other, sum over the row shards (a
+    mesh dim of one rank needs none)."""
+    row_dims = [m for m in row_dims if mesh.shape[m] > 1]
     if len(row_dims) == 2 and mesh.size() == dist.get_world_size():
         return [dist.group.WORLD]  # both mesh dims: one all-reduce over everyone
     return [mesh.get_group(m) for m in row_dims]

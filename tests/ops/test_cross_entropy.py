@@ -136,10 +136,15 @@ def _run_case(cfg, mesh, gen):
 def _expected(cfg, layout, coord):
     """Bytes of each all_reduce the module docstring promises on this rank (float64):
     vocab-parallel: (max, fused sums) of 1 and k numbers per local row; sharded rows and
-    'sum'/'mean': 3 scalars."""
+    'sum'/'mean': 3 scalars. A mesh dim of one rank shards nothing (no collective)."""
     cd = 1 if len(cfg["shape"]) > 1 else 0
-    class_sharded = any(isinstance(p, Shard) and p.dim == cd for p in layout.placements)
-    rows_sharded = any(isinstance(p, Shard) and p.dim != cd for p in layout.placements)
+    cuts = [
+        p.dim
+        for p, n in zip(layout.placements, layout.mesh_shape)
+        if isinstance(p, Shard) and n > 1
+    ]
+    class_sharded = cd in cuts
+    rows_sharded = any(d != cd for d in cuts)
     rows = math.prod(n for d, n in enumerate(layout.local_shape(coord)) if d != cd)
     sizes = []
     if class_sharded and rows:  # a rank without rows skips them, like its class group
