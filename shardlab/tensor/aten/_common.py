@@ -164,6 +164,20 @@ def without_partial(layout: ShardLayout, mesh_dims=None) -> ShardLayout:
     return layout.replace(placements=places)
 
 
+def write_partial(x, value: torch.Tensor) -> None:
+    """Write ``value``, x's block laid out as ``without_partial(x._layout)``, into x while
+    x keeps its layout: on a Partial(sum) mesh dim only coordinate 0 holds it (the others
+    zeros), on a max / min one every rank does. x's views and base share its block and
+    their layouts: they keep meaning what they hold (reducing x into a Replicate block
+    in place would leave a Partial base summing it again)."""
+    coord = me(x.device_mesh)
+    for m, p in enumerate(x._layout.placements):
+        if isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0:
+            x._local_tensor.zero_()
+            return
+    x._local_tensor.copy_(value)
+
+
 def reduced(x, cause: str, mesh_dims=None):
     """``x`` with its Partial values summed (max'ed ...) into Replicate."""
     if not any(isinstance(p, Partial) for p in x._layout.placements):

@@ -15,7 +15,6 @@ holds whole tensors: a rule in this package is the fix for an op that shows up h
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial
 
 from . import _common as c
 
@@ -103,10 +102,7 @@ def _write_back(x, full: torch.Tensor) -> None:
         c.without_partial(x._layout),
         "write back",
     )
-    target = x._local_tensor
-    if any(isinstance(p, Partial) for p in x._layout.placements):
-        x._set_layout(c.without_partial(x._layout))
-    target.copy_(block._local_tensor)
+    c.write_partial(x, block._local_tensor)
 
 
 def _rewrap(result, mesh, first, local_args, written, args):

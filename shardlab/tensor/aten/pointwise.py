@@ -114,9 +114,17 @@ def pointwise(func, args, kwargs, meta_out=None):
         self = args[0]
         if not isinstance(self, st):
             return NotImplemented  # a plain tensor written: the whole-tensor fallback
-        for m, p in enumerate(self._layout.placements):
-            if isinstance(p, Partial) and not keep[m]:
-                _reduce_in_place(self, m, cause)
+        reduce = [
+            m
+            for m, p in enumerate(self._layout.placements)
+            if isinstance(p, Partial) and not keep[m]
+        ]
+        if reduce:  # not linear in a Partial self: on its reduced value, then written back
+            work = c.move(self, c.without_partial(self._layout, reduce), cause)
+            rest = [work if a is self else a for a in args[1:]]
+            pointwise(func, (work, *rest), {k: work if v is self else v for k, v in kwargs.items()})
+            c.write_partial(self, work._local_tensor)
+            return self
         target = self._layout
     else:
         candidates = []
@@ -134,11 +142,13 @@ def pointwise(func, args, kwargs, meta_out=None):
 
 def replay(func, args, kwargs, out):
     """For :mod:`shardlab.tensor.decisions`: ``(moves, mesh, target, cause)`` that replay
-    this call (``out`` its result): what each argument became before the local call, or
-    None when the call cannot be replayed that way (in place, ``*_like``, several results,
-    tensors inside lists)."""
+    this call (``out`` its result; in place: the first argument, written): what each
+    argument became before the local call, or None when the call cannot be replayed that
+    way (``*_like``, several results, tensors inside lists)."""
     st = c.shard_tensor_cls()
-    if c.is_inplace(func) or func.overloadpacket in _LIKE or type(out) is not st:
+    if func.overloadpacket in _LIKE or type(out) is not st:
+        return None
+    if c.is_inplace(func) and out is not args[0]:
         return None
     mesh, target = out.device_mesh, out._layout
     nm = mesh.ndim
@@ -188,11 +198,3 @@ def _wrap_all(result, mesh, target):
     if isinstance(result, (list, tuple)):
         return c.rebuild(result, [_wrap_all(r, mesh, target) for r in result])
     return result
-
-
-def _reduce_in_place(x, m: int, cause: str) -> None:
-    """An in-place op on a Partial value that is not linear: reduce it into x itself."""
-    new = c.without_partial(x._layout, [m])
-    reduced = c.move(x, new, cause)
-    x._local_tensor.copy_(reduced._local_tensor)
-    x._set_layout(new)
