@@ -37,8 +37,8 @@ import torch
 from shardlab import _compat
 
 __all__ = [
-    "BLOCKS", "Decomposed", "LocalCall", "LocalExpand", "LocalReshape", "LocalSlice",
-    "LocalSliceBackward",
+    "BLOCKS", "Decomposed", "LocalCall", "LocalExpand", "LocalInplace", "LocalReshape",
+    "LocalSlice", "LocalSliceBackward",
     "LocalView", "Stale", "clear", "decided", "deciding", "depth", "lookup", "remember",
     "signature",
 ]  # fmt: skip
@@ -247,6 +247,25 @@ class LocalCall:
         if type(a) is st:
             return c.move(a, move, self.cause)._local_tensor
         return c.move(c.as_shard(a, self.mesh), move, self.cause)._local_tensor
+
+
+class LocalInplace(LocalCall):
+    """Replay of an element-wise op that writes its first argument (``add_``, ``mul_`` …):
+    the moves, the op on the blocks (writing the first one), and the first argument
+    itself returned, its layout unchanged (a view that had to be a copy written back)."""
+
+    __slots__ = ()
+
+    def __call__(self, func, args, kwargs):
+        st = _ST
+        n = len(args)
+        local_args = [self._local(a, self.moves[i], st) for i, a in enumerate(args)]
+        local_kwargs = {
+            k: self._local(v, self.moves[n + j], st) for j, (k, v) in enumerate(kwargs.items())
+        }
+        func(*local_args, **local_kwargs)
+        _common().written(args[0])
+        return args[0]
 
 
 class Decomposed:

@@ -22,6 +22,7 @@ DTensor's sharding rules, which change from release to release.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Partial
 
 from shardlab import _compat
 from shardlab.tensor import decisions, traced
@@ -63,9 +64,10 @@ def _decide(key, func, args, kwargs):
     args, kwargs = c.adopt((args, kwargs))
     meta = None if func in _NO_META else c.meta_call(func, args, kwargs)  # torch's errors
     ran = []
+    written = _written_args(func)
+    before = getattr(args[0], "_layout", None) if written == [0] and args else None
     raw = _run(func, args, kwargs, meta, ran)
     out = _with_strides(raw, meta, (args, kwargs))
-    written = _written_args(func)
     for i in written:  # a write into a view that had to be a copy
         if i < len(args) and isinstance(args[i], c.shard_tensor_cls()):
             c.written(args[i])
@@ -74,7 +76,25 @@ def _decide(key, func, args, kwargs):
             _remember_decomposed(key, func, args, kwargs, out, ran[1])
         else:
             _remember(key, func, args, kwargs, raw, out, ran == [pointwise_rule])
+    elif key is not None and before is not None and ran == [pointwise_rule]:
+        _remember_inplace(key, func, args, kwargs, out, before)
     return out
+
+
+def _remember_inplace(key, func, args, kwargs, out, before) -> None:
+    """An element-wise op that wrote its first argument and left its layout as it was
+    (no Partial reduced into it): kept as :class:`~.decisions.LocalInplace`."""
+    self = args[0]
+    if out is not self or self._layout is not before or not c.is_inplace(func):
+        return
+    if any(isinstance(p, Partial) for p in before.placements):
+        return  # reduced first when the op is not linear in it: decided in full
+    how = replay(func, args, kwargs, out)
+    if how is None or how[0][0] is not None:
+        return
+    moves, mesh, _, cause = how
+    anchors = _anchors(func, args, kwargs)
+    decisions.remember(key, decisions.LocalInplace(moves, mesh, [], False, cause, anchors))
 
 
 _DECOMPOSED = object()  # in ``ran``: torch's decomposition made the result

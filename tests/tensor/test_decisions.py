@@ -51,7 +51,18 @@ OPS = [
     ),
     # dot decomposes into ops with decisions of their own: none of them is dot's
     lambda a, b: torch.dot(a.flatten(), b.flatten()) + a.transpose(0, 1).sum(),
+    # in place: the first argument written and returned (a Partial one reduced first)
+    lambda a, b: a.clone().add_(b).mul_(2).sub_(b[..., :1], alpha=0.5).clamp_(-1, 1),
+    lambda a, b: _written_through_views(a.clone()),
 ]
+
+
+def _written_through_views(c):
+    """In-place ops on views of ``c`` (one that merges the cut dim: a copy written back)."""
+    c.transpose(0, 2).mul_(2)
+    c.view(c.shape[0], -1).add_(1)
+    c[:, :, :1].neg_()
+    return c
 
 
 def _body(seed):
