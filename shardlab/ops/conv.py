@@ -18,9 +18,9 @@ rows (``_conv_overlap.py``; the same messages and results, no window copy;
 ``with conv.halo_overlap(False):`` exchanges first).
 
 Backward: the halo gradients go back to their owners (same messages,
-reversed); the weight and bias gradients are Partial over the sharded mesh
-dims and summed when read (one all-reduce each), so plain ``nn.Parameter``
-gradients equal single device.
+reversed); the weight and bias gradients are summed over the sharded mesh
+dims by one fused all-reduce (plain ``nn.Parameter``s, whose gradients equal
+single device; a Replicate ShardTensor's: Partial, summed when read).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import conv_plan, same_padding
 from shardlab.layout._checks import placement_str
-from shardlab.ops._cnn_common import cut_once, meta_call, meta_like
+from shardlab.ops._cnn_common import cut_once, meta_call, meta_like, summed_grads
 from shardlab.ops._conv_overlap import OverlappedConv, interior
 from shardlab.ops.halo import Halo, WindowRecipe, peers_along
 from shardlab.ops.registry import register
@@ -164,8 +164,7 @@ def _conv(name: str, n: int, transposed: bool):
         # rebuild its window in backward; a computed input is freed after this layer, so
         # the conv keeps the window itself (rebuilding would add a block at the peak)
         recipe = WindowRecipe(x if (input.is_leaf or not input.requires_grad) else None)
-        w = replicated_param(weight, mesh, layout.placements)
-        b = replicated_param(bias, mesh, layout.placements)
+        w, b = summed_grads([weight, bias], input, f"{name}.params")
         local_pad, local_out_pad, crops, out_sizes = [], [], {}, {}
         sharded = [i for i in range(n) if any(p == Shard(2 + i) for p in layout.placements)]
         overlap = (

@@ -230,12 +230,18 @@ def test_named_cases_and_exact_bytes(ranks_for, case):
         conv = nn.Conv1d(2, 3, k, s, padding, d).double()
         g = torch.randn(2, 2, length, dtype=torch.float64)
         ref = conv(g)
+        ref.sum().backward()
+        want = [p.grad.clone() for p in conv.parameters()]
+        conv.zero_grad()
         x = g.clone().requires_grad_()
         with shardlab.patched():
             st = distribute(x, mesh, [Shard(2)], sizes=sizes)
             with shardlab.trace() as t:
                 y = conv(st)
                 y.full_tensor().sum().backward()
+        # the weight's and bias's gradients: one fused all-reduce of both
+        sums = t.filter(label="conv1d.params backward")
+        param_bytes = sum(p.numel() for p in conv.parameters()) * 8
         pads = (padding, padding) if isinstance(padding, int) else (1, 2)
         plan = conv_plan(sizes, k, s, d, pads)
         row = 2 * 2 * 8  # batch x channels x float64
@@ -248,6 +254,8 @@ def test_named_cases_and_exact_bytes(ranks_for, case):
             halo.bytes(kind="send") == plan.bytes_per_element_sent(me) * row,
             back.bytes(kind="send") == plan.rows_received(me) * row,
             back.bytes(kind="recv") == plan.bytes_per_element_sent(me) * row,
+            [e.kind for e in sums.events] == ["all_reduce"] and sums.bytes() == param_bytes,
+            all(torch.allclose(p.grad, w, atol=1e-12) for p, w in zip(conv.parameters(), want)),
         )
 
     for r in ranks_for(3).run(body):
