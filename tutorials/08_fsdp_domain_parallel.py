@@ -120,8 +120,8 @@ for kind, group in groups:
 for _, _, counts, _, _ in results:
     if DP > 1:  # FSDP: one gather of the parameters, one reduce-scatter of the gradients
         assert counts["all_gather"] == 1 and counts["reduce_scatter"] == 1
-    if WORLD // DP > 1:  # domain: halos, and the summed weight + bias gradients of 3 convs
-        assert counts["send"] > 0 and counts["recv"] > 0 and counts["all_reduce"] == 6
+    if WORLD // DP > 1:  # domain: halos, and one all-reduce of weight + bias gradients per conv (3)
+        assert counts["send"] > 0 and counts["recv"] > 0 and counts["all_reduce"] == 3
 
 # %% [markdown]
 # What happened on rank 0, by group:
@@ -134,8 +134,8 @@ for _, _, counts, _, _ in results:
 # - `send`/`recv` within the `domain` group: the halo rows of the convolutions,
 #   forward and backward (a 1×1 conv needs none).
 # - `all_reduce` within the `domain` group: the weight and bias gradients of each
-#   convolution, which every band of rows contributes to. (The loss itself stays a
-#   partial sum until someone reads it: no message.)
+#   convolution (one all-reduce for both), which every band of rows contributes to.
+#   (The loss itself stays a partial sum until someone reads it: no message.)
 #
 # Neither kind of parallelism needs to know about the other: they meet only in
 # the mesh. As a picture: the training step's messages on every rank (the
