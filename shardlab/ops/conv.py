@@ -19,8 +19,8 @@ rows (``_conv_overlap.py``; the same messages and results, no window copy;
 
 Backward: the halo gradients go back to their owners (same messages,
 reversed); the weight and bias gradients are summed over the sharded mesh
-dims by one fused all-reduce (plain ``nn.Parameter``s, whose gradients equal
-single device; a Replicate ShardTensor's: Partial, summed when read).
+dims by one fused all-reduce (plain ``nn.Parameter`` weights, whose gradients
+equal single device; a Replicate ShardTensor's: Partial, summed when read).
 """
 
 from __future__ import annotations
