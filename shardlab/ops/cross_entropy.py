@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
 from shardlab.ops import _ce_args as ce_args
+from shardlab.ops._cnn_common import groups_over
 from shardlab.ops.registry import register
 from shardlab.tensor import comm
 from shardlab.tensor.api import from_layout
@@ -132,7 +133,7 @@ def cross_entropy(
         class_group=(
             None if class_dim is None or mesh.shape[class_dim] == 1 else mesh.get_group(class_dim)
         ),
-        row_groups=_row_groups(mesh, row_dims),
+        row_groups=groups_over(mesh, row_dims),  # both mesh dims: one all-reduce, the world
         weight=ce_args.full_weight(weight),
         ignore_index=ignore_index,
         reduction=reduction,
@@ -267,12 +268,3 @@ def _view_on(w, x, cd):
     shape = [1] * x.ndim
     shape[cd] = -1
     return w.view(shape)
-
-
-def _row_groups(mesh, row_dims) -> list:
-    """Process groups whose all-reduces, one after the other, sum over the row shards (a
-    mesh dim of one rank needs none)."""
-    row_dims = [m for m in row_dims if mesh.shape[m] > 1]
-    if len(row_dims) == 2 and mesh.size() == dist.get_world_size():
-        return [dist.group.WORLD]  # both mesh dims: one all-reduce over everyone
-    return [mesh.get_group(m) for m in row_dims]

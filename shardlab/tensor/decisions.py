@@ -199,19 +199,7 @@ class LocalCall:
 
     def __call__(self, func, args, kwargs):
         st = _ST
-        if self.still:  # the common case: every block as it is, one pass
-            local_args = [a._local_tensor if type(a) is st else a for a in args]
-            local_kwargs = (
-                {k: v._local_tensor if type(v) is st else v for k, v in kwargs.items()}
-                if kwargs
-                else kwargs
-            )
-        else:
-            n = len(args)
-            local_args = [self._local(a, self.moves[i], st) for i, a in enumerate(args)]
-            local_kwargs = {
-                k: self._local(v, self.moves[n + j], st) for j, (k, v) in enumerate(kwargs.items())
-            }
+        local_args, local_kwargs = self._blocks(args, kwargs, st)
         if self.local is None:
             out = func(*local_args, **local_kwargs)
         else:
@@ -238,6 +226,23 @@ class LocalCall:
         wrapped._layout = layout
         return wrapped
 
+    def _blocks(self, args, kwargs, st):
+        """What the op runs on: each argument's block after its move."""
+        if self.still:  # the common case: every block as it is, one pass
+            local_args = [a._local_tensor if type(a) is st else a for a in args]
+            local_kwargs = (
+                {k: v._local_tensor if type(v) is st else v for k, v in kwargs.items()}
+                if kwargs
+                else kwargs
+            )
+            return local_args, local_kwargs
+        n = len(args)
+        local_args = [self._local(a, self.moves[i], st) for i, a in enumerate(args)]
+        local_kwargs = {
+            k: self._local(v, self.moves[n + j], st) for j, (k, v) in enumerate(kwargs.items())
+        }
+        return local_args, local_kwargs
+
     def _local(self, a, move, st):
         if move is None:
             return a._local_tensor if type(a) is st else a
@@ -257,12 +262,7 @@ class LocalInplace(LocalCall):
     __slots__ = ()
 
     def __call__(self, func, args, kwargs):
-        st = _ST
-        n = len(args)
-        local_args = [self._local(a, self.moves[i], st) for i, a in enumerate(args)]
-        local_kwargs = {
-            k: self._local(v, self.moves[n + j], st) for j, (k, v) in enumerate(kwargs.items())
-        }
+        local_args, local_kwargs = self._blocks(args, kwargs, _ST)
         func(*local_args, **local_kwargs)
         _common().written(args[0])
         return args[0]
