@@ -22,15 +22,16 @@ from shardlab.layout import ShardLayout
 
 
 def sequence_cut(*tensors) -> bool:
-    """Does a mesh dim cut the sequence (dim -2) of q, k or v?"""
+    """Does a mesh dim of more than one rank cut the sequence (dim -2) of q, k or v? (A
+    mesh dim of one rank holds the whole sequence: no ring.)"""
     from shardlab.tensor import ShardTensor
 
-    return any(
-        isinstance(p, Shard) and p.dim == t.ndim - 2
-        for t in tensors
-        if isinstance(t, ShardTensor)
-        for p in t.sharding.placements
-    )
+    for t in tensors:
+        if isinstance(t, ShardTensor):
+            for m, p in enumerate(t._layout.placements):
+                if isinstance(p, Shard) and p.dim == t.ndim - 2 and t._layout.mesh_shape[m] > 1:
+                    return True
+    return False
 
 
 def why(msg: str) -> NotImplementedError:

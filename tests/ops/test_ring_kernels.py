@@ -198,9 +198,10 @@ def _ring_cases(kind, seed):
 def test_ring_through_cuda_kernels(ranks_for, world, kind):
     """Ring attention with its blocks in the (emulated) CUDA kernels equals torch's SDPA
     on one device, forward and backward (float64: 1e-12); contiguous and head-tail,
-    uneven sizes (empty blocks too), GQA; the messages' labels name the kernel."""
+    uneven sizes (empty blocks too), GQA; the messages' labels name the kernel. On one
+    rank the sequence is whole: torch's own kernel runs, not the ring's."""
     for worst, calls, labels in ranks_for(world).run(_ring_cases(kind, seed=world)):
-        assert worst < 1e-12 and calls > 0, (worst, calls)
+        assert worst < 1e-12 and (calls > 0 if world > 1 else calls == 0), (worst, calls)
         if world > 1:
             assert any(f"[{kind}]" in lab for lab in labels), labels
             assert all(lab.endswith(("]",)) for lab in labels), labels

@@ -1,6 +1,7 @@
 """torch's fused attention kernels on ShardTensors whose batch or heads are cut.
 
-``q, k, v (B, H, S, D)`` with B and/or H cut and every sequence whole: each rank runs
+``q, k, v (B, H, S, D)`` with B and/or H cut and every sequence whole (cut at most by mesh
+dims of one rank): each rank runs
 the fused kernel on its own (batch, head) rows, forward and backward, no message (with
 fewer K/V heads than query heads, grouped-query attention, only B may be cut)::
 
@@ -27,25 +28,21 @@ _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 def _whole_rows(*tensors) -> bool:
-    """No mesh dim cuts the last two dims (sequence, features) of any argument."""
-    st = c.shard_tensor_cls()
-    return not any(
-        isinstance(p, Shard) and p.dim >= t.ndim - 2
-        for t in tensors
-        if isinstance(t, st)
-        for p in t._layout.placements
-    )
+    """No mesh dim of more than one rank cuts the last two dims (sequence, features) of
+    any argument (a mesh dim of one rank holds them whole)."""
+    return not any(_cut(d, t) for t in tensors for d in (-2, -1))
 
 
 def _cut(dim, *tensors) -> bool:
-    """Does a mesh dim cut ``dim`` of any argument?"""
+    """Does a mesh dim of more than one rank cut ``dim`` of any argument?"""
     st = c.shard_tensor_cls()
-    return any(
-        isinstance(p, Shard) and p.dim == dim
-        for t in tensors
-        if isinstance(t, st)
-        for p in t._layout.placements
-    )
+    for t in tensors:
+        if isinstance(t, st):
+            d = dim % t.ndim
+            for m, p in enumerate(t._layout.placements):
+                if isinstance(p, Shard) and p.dim == d and t._layout.mesh_shape[m] > 1:
+                    return True
+    return False
 
 
 def _like(t, target, mesh, cause):
