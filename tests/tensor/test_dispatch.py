@@ -1,5 +1,6 @@
 """Ops on uneven ShardTensors equal single-device torch, forward and backward."""
 
+import contextlib
 import random
 
 import pytest
@@ -363,6 +364,109 @@ def test_fused_attention_with_grouped_heads_on_cut_batches(ranks_for, world):
     for res in ranks_for(world).run(body):
         for ok_out, ok_grad, labels in res:
             assert ok_out and ok_grad and labels == [], (ok_out, ok_grad, labels)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fused_attention_on_a_sequence_cut_by_one_rank(ranks_for, world):
+    """A sequence cut only by a mesh dim of one rank is whole on every rank: torch's fused
+    kernel runs on the blocks (kept per signature), patched or not, no ring, no message,
+    no fallback; forward and backward equal one device. World 1: Shard(2) on the one
+    rank; world 2: the batch cut on mesh dim 0 (2 ranks), the sequence on dim 1 (1)."""
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import shardlab
+        from shardlab.tensor import decisions
+        from shardlab.trace import trace
+
+        n = this_rank().world_size
+        mesh = this_rank().mesh if n == 1 else init_device_mesh("cpu", (n, 1))
+        places = [Shard(2)] if n == 1 else [Shard(0), Shard(2)]
+        sizes = None if n == 1 else [[3, 1], None]
+        gen = torch.Generator().manual_seed(11)
+        q0, k0, v0 = (torch.randn(4, 2, 6, 3, generator=gen, dtype=torch.float64) for _ in "qkv")
+        mask = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+        res = []
+        for patched in (False, True):
+            for kw in ({"is_causal": True}, {"attn_mask": mask}, {"scale": 0.3}):
+                ref = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+                want = F.scaled_dot_product_attention(*ref, **kw)
+                w = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+                (want * w).sum().backward()
+                st = [distribute(t, mesh, places, sizes).requires_grad_() for t in (q0, k0, v0)]
+                decisions.clear()
+                with shardlab.patched() if patched else contextlib.nullcontext(), trace() as t:
+                    got = F.scaled_dot_product_attention(*st, **kw)
+                    (got * distribute(w, mesh, places, sizes)).sum().backward()
+                fused = {id(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)}
+                kept = fused <= {k[0] for k in decisions._TABLE}
+                res.append(
+                    (
+                        torch.allclose(got.full_tensor(), want, atol=1e-12),
+                        all(
+                            torch.allclose(s.grad.full_tensor(), r.grad, atol=1e-12)
+                            for s, r in zip(st, ref)
+                        ),
+                        kept,
+                        [(e.label, e.kind) for e in t.events],
+                    )
+                )
+        return res
+
+    for res in ranks_for(world).run(body):
+        for ok_out, ok_grad, kept, events in res:
+            assert ok_out and ok_grad and kept and events == [], (ok_out, ok_grad, kept, events)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_new_empty_strided_of_the_same_shape_keeps_the_layout(ranks_for, world):
+    """``x.new_empty_strided(x.shape, ...)`` (autograd's copy of a gradient into its
+    parameter's strides) is laid out like ``x``, with torch's dtype and stride; another
+    shape, a Partial ``x``, or the other ``new_*`` give a whole tensor (torch's values).
+    A leaf used three times (q = k = v) gets its gradient on its own blocks: no message."""
+
+    def body():
+        from torch.distributed.tensor import Partial
+
+        from shardlab.trace import trace
+
+        mesh, n = this_rank().mesh, this_rank().world_size
+        sizes = [[3, 0, 3]] if n > 2 else [[4, 2]]
+        x0 = torch.randn(2, 6, 3, dtype=torch.float64)
+        bad = []
+        for places, szs in (([Shard(1)], sizes), ([Partial()], None), ([Replicate()], None)):
+            x = distribute(x0, mesh, places, szs)
+            for name, make in (
+                ("new_zeros", lambda t, s: t.new_zeros(s)),
+                ("new_ones", lambda t, s: t.new_ones(s, dtype=torch.float32)),
+                ("new_full", lambda t, s: t.new_full(s, 2.5)),
+                ("new_empty", lambda t, s: t.new_empty(s)),
+                ("new_empty_strided", lambda t, s: t.new_empty_strided(s, (1, 2, 12)[: len(s)])),
+            ):
+                for shape in (tuple(x0.shape), (4, 5)):
+                    want, got = make(x0, shape), make(x, shape)
+                    same = isinstance(places[0], Shard) and shape == tuple(x0.shape)
+                    same = same and name == "new_empty_strided"
+                    ok = (
+                        got.shape == want.shape
+                        and got.dtype == want.dtype
+                        and got.stride() == want.stride()
+                        and got.placements == (places[0] if same else Replicate(),)
+                        and (name.startswith("new_empty") or torch.equal(got.full_tensor(), want))
+                    )
+                    if not ok:
+                        bad.append((name, str(places), shape, got.placements, got.stride()))
+        leaf = torch.randn(6, 2, 4, 3, dtype=torch.float64)
+        leaf = distribute(leaf, mesh, [Shard(0)], sizes)
+        leaf.requires_grad_()
+        with trace() as t:
+            F.scaled_dot_product_attention(leaf, leaf, leaf).sum().backward()
+        if leaf.grad.placements != (Shard(0),) or t.events:
+            bad.append(("leaf grad", leaf.grad.placements, [e.label for e in t.events]))
+        return bad
+
+    assert ranks_for(world).run(body) == [[]] * world
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -160,8 +160,24 @@ def _pad(func, args, kwargs):
     aten.new_empty_strided.default,
 )
 def _new(func, args, kwargs):
-    """A new tensor of a given (global) shape: whole on every rank."""
+    """A new tensor of a given (global) shape: whole on every rank. ``new_empty_strided``
+    of ``x``'s own shape (autograd's copy of a gradient into its parameter's strides) is
+    laid out like ``x`` instead: the gradient stays on its blocks, not gathered."""
     x = args[0]
+    lay = x._layout
+    if (
+        func is aten.new_empty_strided.default
+        and tuple(args[1]) == tuple(x.shape)
+        and not any(isinstance(p, Partial) for p in lay.placements)
+    ):
+        from shardlab.tensor.api import stride_like
+
+        mesh = x.device_mesh
+        local = lay.local_shape(c.me(mesh))
+        stride = tuple(args[2])  # the global stride asked for; the block's in its order
+        y = func(x._local_tensor, local, stride_like(stride, local), *args[3:], **kwargs)
+        y.zero_()  # every rank the same values
+        return c.shard_tensor_cls()._wrap(y, mesh, lay, stride=stride)
     y = func(x._local_tensor, *args[1:], **kwargs)
     if func is aten.new_empty.default or func is aten.new_empty_strided.default:
         y.zero_()  # every rank must hold the same values of a Replicate tensor
