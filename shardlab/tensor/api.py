@@ -311,12 +311,12 @@ class ShardTensor(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if traced.tracing() is not None:  # under torch.compile: eagerly, a graph break
             return _EAGER_TF[0](cls, func, types, args, kwargs)
-        if not kwargs and func not in _OWN_CALLS:
+        if func not in _OWN_CALLS and (not kwargs or _scalar_kwargs(kwargs)):
             # the common case in one pass: ShardTensors of one mesh (no stand-in) and
             # scalars; nothing to lift, nothing of ours above aten
             mesh = _one_mesh(args)
             if mesh is not None and mesh is not _MIXED:
-                return _disabled_torch_function(func, types, args, _NO_KWARGS)
+                return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
         traced.check(func, args, kwargs)  # dynamo's stand-ins: a graph break
         kwargs = kwargs or {}
         if func is torch.Tensor.backward or func is torch.autograd.backward:
@@ -408,6 +408,14 @@ def _one_mesh(args, mesh=None):
     return mesh
 
 
+def _scalar_kwargs(kwargs) -> bool:
+    """Only scalars among the keyword arguments (``scale=``, ``dim=``, ``dtype=`` …)."""
+    for v in kwargs.values():
+        if type(v) not in _SCALARS:
+            return False
+    return True
+
+
 _MIXED = object()
 _disabled_torch_function = torch._C._disabled_torch_function_impl
 # what ShardTensor.__torch_function__ does itself rather than pass on to aten
@@ -435,10 +443,13 @@ def _lift_trainable(args, kwargs):
     from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
     from shardlab.tensor.aten._common import tree_leaves as simple_leaves
+    from shardlab.tensor.aten._common import tree_map as simple_map
 
     leaves = simple_leaves((args, kwargs))  # lists, tuples, dicts: the common case, fast
+    mapped = simple_map
     if any(type(a) in SUPPORTED_NODES for a in leaves):
         leaves = tree_leaves((args, kwargs))  # other containers pytree opens (ModelOutput …)
+        mapped = tree_map
     shards = [a for a in leaves if isinstance(a, ShardTensor)]
     if not shards:  # the ShardTensor sits in a container pytree does not open
         return args, kwargs
@@ -455,10 +466,42 @@ def _lift_trainable(args, kwargs):
         if isinstance(a, DTensor):
             return submesh.embed(a, mesh) if sub else a
         if isinstance(a, torch.Tensor) and a.requires_grad and a.ndim > 0:
-            return distribute(a, mesh, [Replicate()] * mesh.ndim)
+            return _replicated(a, mesh)
         return a
 
-    return tree_map(lift, args), tree_map(lift, kwargs)
+    return mapped(lift, args), mapped(lift, kwargs)
+
+
+_REPLICATED: dict = {}  # (mesh id, shape) -> (mesh, the Replicate layout)
+
+
+def _replicated(tensor: torch.Tensor, mesh) -> ShardTensor:
+    """A plain tensor every rank holds alike (a parameter) as a Replicate ShardTensor, a
+    view of it (nothing copied), differentiably: its ``.grad`` is the full gradient,
+    summed over the ranks (:func:`distribute`'s, without its checks or its copy)."""
+    _check_device(tensor, mesh, "tensor")
+    key = (id(mesh), tuple(tensor.shape))
+    hit = _REPLICATED.get(key)
+    if hit is None or hit[0] is not mesh:
+        layout = ShardLayout.build(
+            key[1], tuple(mesh.shape), [Replicate()] * mesh.ndim
+        )  # fmt: skip
+        if len(_REPLICATED) >= 512:
+            del _REPLICATED[next(iter(_REPLICATED))]
+        _REPLICATED[key] = hit = (mesh, layout)
+    return _Lift.apply(tensor, mesh, hit[1])
+
+
+@fenced
+class _Lift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, mesh, layout):
+        ctx.mesh, ctx.sharding = mesh, layout
+        return ShardTensor._wrap(tensor.view_as(tensor), mesh, layout, stride=tensor.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _local_of(grad, ctx.sharding, ctx.mesh), None, None
 
 
 # -- autograd ---------------------------------------------------------------
