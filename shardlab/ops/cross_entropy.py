@@ -33,7 +33,8 @@ Forward, per row r (every per-row tensor keeps the class dim with size 1)::
 
 Steps 1-2 run only when a mesh dim shards the classes, step 4's all-reduce only for
 'sum'/'mean' with sharded rows (a mesh dim of one rank shards nothing here: no
-collective). Exact counts per forward: vocab-parallel 2 all-reduces of 1 and 2 (3
+collective). With neither (one rank, or every row and class on every rank) torch's own
+kernel runs on the local block. Exact counts per forward: vocab-parallel 2 all-reduces of 1 and 2 (3
 with label smoothing or probability targets) numbers per local row,
 +1 of 3 numbers with sharded rows; segmentation 1 of 3 numbers ('none': 0). Backward:
 no collective, d loss_r / d x_rc = g_r ((1 - eps) w_t (p_rc - [c = t_r]) +
@@ -141,7 +142,18 @@ def cross_entropy(
         probs=probs,
     )
     t = ce_args.local_target(target, input, cd, probs, coord)
-    out = _CrossEntropy.apply(input.to_local(), t, plan)
+    if plan.class_group is None and not plan.row_groups:
+        # no mesh dim of more than one rank cuts the classes or the rows: every rank holds
+        # whole rows and all of them, so torch's own kernel on the block is the answer
+        # (and raises torch's errors on every rank alike); no collective
+        from shardlab.ops.registry import original
+
+        out = original("cross_entropy")(
+            input.to_local(), t, plan.weight, ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing,
+        )  # fmt: skip
+    else:
+        out = _CrossEntropy.apply(input.to_local(), t, plan)
     if reduction != "none":  # a 0-dim value, the same on every rank
         return ShardTensor.from_local(
             out, mesh, [Replicate()] * mesh.ndim, [None] * mesh.ndim, shape=(), validate=False

@@ -173,7 +173,7 @@ def _sweep(mesh_shape, cases, seed):
     return body
 
 
-@pytest.mark.parametrize("world,cases", [(1, 10), (2, 30), (3, 30), (4, 30)])
+@pytest.mark.parametrize("world,cases", [(1, 30), (2, 30), (3, 30), (4, 30)])
 def test_sweep_1d_mesh(ranks_for, world, cases):
     assert min(ranks_for(world).run(_sweep((world,), cases, seed=world))) >= cases // 3
 
