@@ -75,7 +75,8 @@ def meta_call(fn, input, *args, **kwargs):
     from shardlab.tensor.aten._common import _key
 
     try:
-        key = (fn, tuple(input.shape), input.dtype, _key(args), _key(kwargs))
+        with torch._C.DisableTorchFunctionSubclass():  # a ShardTensor's shape: no Python
+            key = (fn, tuple(input.shape), input.dtype, _key(args), _key(kwargs))
         hash(key)
     except TypeError:
         return _meta_run(fn, input, args, kwargs)
@@ -94,8 +95,21 @@ def meta_call(fn, input, *args, **kwargs):
 
 
 def meta_like(t):
-    """A meta tensor of ``t``'s global shape and dtype (None stays None)."""
-    return None if t is None else torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+    """A meta tensor of ``t``'s global shape and dtype (None stays None); one per shape
+    and dtype (they are only read: :func:`meta_call`'s keys and checks)."""
+    if t is None:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        key = (tuple(t.shape), t.dtype)
+    hit = _META_LIKE.get(key)
+    if hit is None:
+        if len(_META_LIKE) >= _META_SIZE:
+            del _META_LIKE[next(iter(_META_LIKE))]
+        _META_LIKE[key] = hit = torch.empty(key[0], dtype=key[1], device="meta")
+    return hit
+
+
+_META_LIKE: dict = {}
 
 
 def _meta_run(fn, input, args, kwargs):

@@ -109,3 +109,50 @@ class SyncNorm(torch.autograd.Function):
         grads = iter(params)
         grad_w, grad_b = (None if p is None else next(grads).view(p[0]).to(p[2]) for p in (pw, pb))
         return dx.reshape(x.shape).to(x.dtype), grad_w, grad_b, None
+
+
+@fenced
+class RowsNorm(torch.autograd.Function):
+    """``RowsNorm.apply(input, weight, bias, shape, eps, groups)``: layer_norm over whole
+    rows of the ShardTensor ``input`` (no mesh dim of more than one rank cuts the last
+    ``len(shape)`` dims), plain ``weight`` / ``bias`` (or None), in ONE Function::
+
+        forward   y, mean, rstd = torch's native_layer_norm on this rank's block
+        backward  the incoming gradient on the output's blocks; torch's
+                  native_layer_norm_backward on the block: dx (this rank's), dw, db
+                  (this rank's rows) -> one all_reduce of [dw, db] over ``groups``
+                  (the mesh dims cutting the other dims)     "layer_norm.params backward"
+
+    No forward communication; none at all when ``groups`` is empty (one rank)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, shape, eps, groups):
+        from shardlab.tensor.api import ShardTensor
+
+        x = input._local_tensor  # (..., *shape), whole rows
+        y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.to_save = (x, weight, bias, mean, rstd)
+        ctx.shape, ctx.groups = shape, groups
+        ctx.mesh, ctx.layout = input.device_mesh, input._layout
+        return ShardTensor._wrap(y, ctx.mesh, ctx.layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from shardlab.tensor.api import ShardTensor, _local_of
+
+        x, w, b, mean, rstd = kept(ctx)
+        g = _local_of(grad, ctx.layout, ctx.mesh)  # (..., *shape) on this rank's rows
+        need = [ctx.needs_input_grad[0], w is not None, b is not None]
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            g, x, ctx.shape, mean, rstd, w, b, need
+        )
+        params = [(t, d) for t, d in ((w, dw), (b, db)) if t is not None]
+        if ctx.groups and params:  # summed over the ranks holding the other rows
+            flat = torch.cat([(d if d is not None else torch.zeros_like(t)).reshape(-1)
+                              for t, d in params])  # fmt: skip
+            flat = _all_reduce(flat, ctx.groups, "layer_norm.params", "backward")
+            sums = flat.split([t.numel() for t, _ in params])
+            it = iter(s.view_as(t) for s, (t, _) in zip(sums, params))
+            dw, db = (next(it) if t is not None else None for t in (w, b))
+        dx = None if dx is None else ShardTensor._wrap(dx, ctx.mesh, ctx.layout)
+        return dx, dw, db, None, None, None

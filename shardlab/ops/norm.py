@@ -38,7 +38,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab.ops._cnn_common import (
     AllReduceSum,
@@ -51,7 +51,7 @@ from shardlab.ops._cnn_common import (
     sharding_mesh_dims,
     summed_grads,
 )
-from shardlab.ops._cnn_norm import NormSpec, SyncNorm
+from shardlab.ops._cnn_norm import NormSpec, RowsNorm, SyncNorm
 from shardlab.ops.registry import register
 
 
@@ -213,11 +213,19 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 
     meta_call(F.layer_norm, input, normalized_shape, meta_like(weight), meta_like(bias), eps)
     k = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
-    dims = list(range(input.ndim - k, input.ndim))
-    if not sharding_mesh_dims(input.sharding, dims):
+    gshape = input._layout.global_shape  # (read here, not through __torch_function__)
+    dims = list(range(len(gshape) - k, len(gshape)))
+    if not sharding_mesh_dims(input._layout, dims):
         # whole rows on every rank, whatever cuts the other dims (strided, or one dim cut
         # by two mesh dims: flattened image tokens): the original op, no communication
         check_no_partial("layer_norm", input)
+        if not any(isinstance(t, DTensor) for t in (weight, bias)):
+            trained = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (weight, bias)
+            )
+            mesh = input.device_mesh
+            groups = groups_over(mesh, sharding_mesh_dims(input._layout)) if trained else []
+            return RowsNorm.apply(input, weight, bias, gshape[len(gshape) - k :], eps, groups)
         w, b = summed_grads([weight, bias], input, "layer_norm.params")
         x = input.to_local()
         y = _local(F.layer_norm, x, w, b, x.shape[input.ndim - k :], w, b, eps)

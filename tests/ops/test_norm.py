@@ -112,18 +112,35 @@ def test_norms_2d_mesh(ranks_for):
 
 
 def test_layer_norm_over_unsharded_dims_is_local(ranks_for):
+    """Whole rows: no forward message; backward ONE all-reduce of the weight and bias
+    gradients together (7 + 7 float64 numbers), everything equal to one device."""
+
     def body():
         mesh = this_rank().mesh
+        torch.manual_seed(0)
         ln = nn.LayerNorm(7).double()
+        nn.init.normal_(ln.weight), nn.init.normal_(ln.bias)
+        one = nn.LayerNorm(7).double()
+        one.load_state_dict(ln.state_dict())
         g = torch.randn(2, 3, 5, 7, dtype=torch.float64)
+        gy = torch.randn(2, 3, 5, 7, dtype=torch.float64)
+        want = one(g)
+        want.backward(gy)
         with shardlab.patched():
             st = distribute(g, mesh, [Shard(2)], sizes=[4, 1])
-            with shardlab.trace() as t:
+            with shardlab.trace() as fwd:
                 y = ln(st)
-        return t.counts(), torch.allclose(y.full_tensor(), ln(g))
+            with shardlab.trace() as bwd:
+                y.backward(distribute(gy, mesh, [Shard(2)], sizes=[4, 1]))
+        grads = all(
+            torch.allclose(a.grad, b.grad) for a, b in zip(ln.parameters(), one.parameters())
+        )
+        labels = [(e.label, e.kind, e.bytes) for e in bwd.events]
+        return fwd.counts(), labels, torch.allclose(y.full_tensor(), want), grads
 
-    for counts, ok in ranks_for(2).run(body):
-        assert counts == {} and ok
+    for counts, labels, ok, grads in ranks_for(2).run(body):
+        assert counts == {} and ok and grads
+        assert labels == [("layer_norm.params backward", "all_reduce", 14 * 8)], labels
 
 
 def test_errors_on_every_rank(ranks_for):
