@@ -7,6 +7,7 @@ the target and its full class weight, with clear errors for the layouts not supp
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -51,6 +52,7 @@ def full_weight(weight):
     return weight.to_local().detach()
 
 
+@functools.lru_cache(maxsize=1024)
 def rows_layout(layout: ShardLayout, cd: int) -> ShardLayout:
     """The input's layout without the class dim (Replicate where the class dim was; a
     strided row dim stays strided)."""
@@ -114,8 +116,9 @@ def check_like_torch(input, target, weight, reduction, ignore_index, label_smoot
     def sig(t):
         return (tuple(t.shape), t.dtype) if torch.is_tensor(t) else (type(t), t)
 
-    key = (sig(input), sig(target), sig(weight), sig(reduction), sig(ignore_index),
-           sig(label_smoothing))  # fmt: skip
+    with torch._C.DisableTorchFunctionSubclass():  # a ShardTensor's shape: no Python
+        key = (sig(input), sig(target), sig(weight), sig(reduction), sig(ignore_index),
+               sig(label_smoothing))  # fmt: skip
     try:
         hit = _CHECKED.get(key, False)
     except TypeError:  # unhashable: no cache

@@ -53,12 +53,14 @@ A target index outside [0, C) raises IndexError on every rank after the collecti
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
+from shardlab.layout import ShardLayout
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import groups_over
 from shardlab.ops.registry import register
@@ -155,10 +157,14 @@ def cross_entropy(
     else:
         out = _CrossEntropy.apply(input.to_local(), t, plan)
     if reduction != "none":  # a 0-dim value, the same on every rank
-        return ShardTensor.from_local(
-            out, mesh, [Replicate()] * mesh.ndim, [None] * mesh.ndim, shape=(), validate=False
-        )
+        return from_layout(out, mesh, _scalar_layout(tuple(mesh.shape)))
     return from_layout(out, mesh, ce_args.rows_layout(layout, cd))
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar_layout(mesh_shape) -> ShardLayout:
+    """A 0-dim value on every rank of a mesh of ``mesh_shape``."""
+    return ShardLayout.build((), mesh_shape, [Replicate()] * len(mesh_shape))
 
 
 @fenced
