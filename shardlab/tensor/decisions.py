@@ -129,6 +129,8 @@ def signature(func, args, kwargs):
                     if layout is None:
                         return None  # a traced stand-in: the full path breaks the graph
                     key.append((st, id(a._spec.mesh), layout, a.stride(), a.dtype, a.requires_grad))
+                elif type(a) is list and _all_ints(a):  # sizes, dims (view, sum, permute)
+                    key.append((list, _INTS, *a))
                 else:
                     key.append(_sig(a, st))
             if kwargs:
@@ -141,6 +143,15 @@ def signature(func, args, kwargs):
 
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_INTS = "ints"  # in a key: a list of plain ints follows (never equal to _sig's entries)
+
+
+def _all_ints(a) -> bool:
+    for v in a:
+        if type(v) is not int:
+            return False
+    return True
+
 
 # arguments kept in a key by type and value (and that nothing needs to prepare)
 SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,

@@ -116,7 +116,8 @@ def test_replayed_decisions_equal_the_full_path_and_torch(ranks_for, world, seed
 
 def test_every_part_of_the_signature_is_in_the_key(ranks_for):
     """Changing one part of a call (a size, a dtype, a placement, strides, a scalar's
-    type, requires_grad, the mesh) misses; repeating it hits and adds nothing."""
+    type, requires_grad, the mesh, a list of dims) misses; repeating it hits and adds
+    nothing."""
 
     def body():
         from torch.distributed.device_mesh import init_device_mesh
@@ -156,6 +157,12 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
         seen["scalar type"] = len(decisions._TABLE) == before + 1
         out = torch.ops.aten.mul.Tensor(base, True)
         seen["bool scalar"] = len(decisions._TABLE) == before + 2 and out.dtype == torch.float32
+        before = len(decisions._TABLE)  # a list of ints (dims, sizes): by its values
+        for dims in ([0], [0], [2], [0, 2]):
+            out = torch.ops.aten.sum.dim_IntList(base, dims)
+        seen["int list"] = len(decisions._TABLE) == before + 3 and torch.allclose(
+            out.full_tensor(), g.sum([0, 2])
+        )
         return seen
 
     for seen in ranks_for(2).run(body):
