@@ -131,6 +131,17 @@ def signature(func, args, kwargs):
                     key.append((st, id(a._spec.mesh), layout, a.stride(), a.dtype, a.requires_grad))
                 elif type(a) is list and _all_ints(a):  # sizes, dims (view, sum, permute)
                     key.append((list, _INTS, *a))
+                elif type(a) is list and a and type(a[0]) is st:  # cat's tensors, inline
+                    entry = [list]
+                    for v in a:
+                        if type(v) is st and v._layout is not None:
+                            entry.append(
+                                (st, id(v._spec.mesh), v._layout, v.stride(), v.dtype,
+                                 v.requires_grad)
+                            )  # fmt: skip
+                        else:
+                            entry.append(_sig(v, st))  # (what _sig(a) would give)
+                    key.append(tuple(entry))
                 else:
                     key.append(_sig(a, st))
             if kwargs:
@@ -191,13 +202,15 @@ class LocalCall:
     tuple of them (``native_layer_norm``'s output, mean and rstd), else one tensor.
     """
 
-    __slots__ = ("moves", "mesh", "outs", "many", "cause", "still", "anchors", "local")
+    __slots__ = ("moves", "mesh", "outs", "many", "cause", "still", "lists", "anchors", "local")
 
     def __init__(self, moves, mesh, outs, many, cause, anchors=(), local=None):
         from shardlab.tensor.comm import my_coord
 
         self.moves, self.mesh, self.many, self.cause = tuple(moves), mesh, many, cause
         self.still = all(m is None for m in self.moves)  # nothing moves: blocks as they are
+        # only lists of blocks taken as they are (cat's), nothing else moves
+        self.lists = not self.still and all(m is None or m is BLOCKS for m in self.moves)
         self.anchors = tuple(anchors)  # the op and meshes whose ids are in the key: alive
         self.local = local  # what runs on the blocks instead of the op itself (LocalView)
         me = my_coord(mesh)
@@ -247,6 +260,14 @@ class LocalCall:
                 else kwargs
             )
             return local_args, local_kwargs
+        if self.lists and not kwargs:  # cat's: one pass, no moves
+            local_args = [
+                [t._local_tensor if type(t) is st else t for t in a]
+                if m is BLOCKS
+                else (a._local_tensor if type(a) is st else a)
+                for a, m in zip(args, self.moves)
+            ]
+            return local_args, kwargs
         n = len(args)
         local_args = [self._local(a, self.moves[i], st) for i, a in enumerate(args)]
         local_kwargs = {
