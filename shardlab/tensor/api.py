@@ -431,15 +431,27 @@ def _lift_trainable(args, kwargs):
     holding the full gradient (summed over ranks), as on one device. DTensors on a
     sub-mesh (torch TP weights on ``mesh["tp"]``) are read on the whole mesh, and their
     gradients go back to the sub-mesh (:mod:`shardlab.tensor.submesh`)."""
-    mesh = None
-    for a in args:  # the common case: ShardTensors of one mesh and scalars: nothing to lift
-        if type(a) is ShardTensor and (mesh is None or a.device_mesh is mesh):
-            mesh = a.device_mesh
-        elif isinstance(a, (torch.Tensor, list, tuple, dict)) or type(a) not in _SCALARS:
+    mesh, trained = None, []
+    for i, a in enumerate(args):  # the common case, flat: ShardTensors of one mesh,
+        t = type(a)  # scalars, plain tensors (the trainable ones lifted): one pass
+        if t is ShardTensor and a._layout is not None:
+            if mesh is None:
+                mesh = a._spec.mesh
+            elif a._spec.mesh is not mesh:
+                break
+        elif t is torch.Tensor or t is torch.nn.Parameter:
+            if a.requires_grad and a.ndim > 0:
+                trained.append(i)
+        elif t not in _SCALARS:
             break
     else:
         if not kwargs and mesh is not None:
-            return args, kwargs
+            if not trained:
+                return args, kwargs
+            args = list(args)
+            for i in trained:
+                args[i] = _replicated(args[i], mesh)
+            return tuple(args), kwargs
     from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
     from shardlab.tensor.aten._common import tree_leaves as simple_leaves
