@@ -127,7 +127,7 @@ def _conv(name: str, n: int, transposed: bool):
         # torch's own checks (channels, groups, kernel larger than the padded input …) on
         # the global shapes: the same error on every rank, before any message
         try:
-            meta_call(
+            meta_out = meta_call(
                 torch_op,
                 input,
                 meta_like(weight),
@@ -166,7 +166,12 @@ def _conv(name: str, n: int, transposed: bool):
         recipe = WindowRecipe(x if (input.is_leaf or not input.requires_grad) else None)
         w, b = summed_grads([weight, bias], input, f"{name}.params")
         local_pad, local_out_pad, crops, out_sizes = [], [], {}, {}
-        sharded = [i for i in range(n) if any(p == Shard(2 + i) for p in layout.placements)]
+        # cut across ranks; a mesh dim of one rank holds the whole dim (no halo)
+        cuts = [
+            m for m, p in enumerate(layout.placements)
+            if isinstance(p, Shard) and p.dim >= 2 and layout.mesh_shape[m] > 1
+        ]  # fmt: skip
+        sharded = [i for i in range(n) if any(layout.placements[m].dim == 2 + i for m in cuts)]
         overlap = (
             _OVERLAP.get()
             and not transposed
@@ -178,6 +183,10 @@ def _conv(name: str, n: int, transposed: bool):
             mesh_dims = [
                 m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim == dim
             ]
+            for m in mesh_dims:
+                if m not in cuts:  # one rank: the whole output length
+                    out_sizes[m] = [meta_out.shape[dim]]
+            mesh_dims = [m for m in mesh_dims if m in cuts]
             if not mesh_dims:
                 local_pad.append(pads[i])
                 local_out_pad.append(out_pad[i])

@@ -15,6 +15,8 @@ returns the rank's new local tensor; autograd lives in ``api.py``. The *what*
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -38,8 +40,19 @@ def my_coord(mesh) -> tuple[int, ...]:
 
 
 def rank_at(mesh, coord) -> int:
-    """Global rank at mesh coordinate ``coord`` (for point-to-point messages)."""
-    return int(mesh.mesh[tuple(coord)].item())
+    """Global rank at mesh coordinate ``coord`` (for point-to-point messages). The grid is
+    read once per mesh (``DeviceMesh.mesh`` rebuilds a tensor at every access)."""
+    hit = _GRIDS.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        grid = mesh.mesh
+        coords = itertools.product(*(range(n) for n in grid.shape))
+        if len(_GRIDS) >= 256:
+            del _GRIDS[next(iter(_GRIDS))]
+        _GRIDS[id(mesh)] = hit = (mesh, dict(zip(coords, grid.flatten().tolist())))
+    return hit[1][tuple(coord)]
+
+
+_GRIDS: dict = {}  # id(mesh) -> (the mesh, {coordinate: global rank})
 
 
 def wire(t: torch.Tensor) -> torch.Tensor:

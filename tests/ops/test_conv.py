@@ -135,14 +135,18 @@ def _sweep(mesh_shape, cases, seed):
     return body
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_conv_sweep_1d_mesh(ranks_for, world):
+    """One rank: the spatial dims are whole, one local conv (no halo)."""
     got = ranks_for(world).run(_sweep((world,), 60, seed=world))
     assert got[0][0] == 60 and got[0][1] >= 15
 
 
-def test_conv_sweep_2d_mesh(ranks_for):
-    got = ranks_for(4).run(_sweep((2, 2), 50, seed=11))
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 1), (1, 2)])
+def test_conv_sweep_2d_mesh(ranks_for, mesh_shape):
+    """(2, 1) and (1, 2): a spatial dim cut by a mesh dim of one rank is whole there."""
+    world = mesh_shape[0] * mesh_shape[1]
+    got = ranks_for(world).run(_sweep(mesh_shape, 50, seed=11))
     assert got[0][0] == 50
 
 
