@@ -132,8 +132,11 @@ def rewrap(y, input, new_sizes: dict[int, list[int]], shape):
     """``y`` (this rank's block) as a ShardTensor laid out like ``input``; mesh dim m
     gets ``new_sizes[m]`` if given, else the input's sizes (batch / channel dims)."""
     from shardlab.tensor import ShardTensor
+    from shardlab.tensor.api import from_layout
 
-    layout = input.sharding
+    layout = input._layout
+    if not new_sizes and tuple(shape) == layout.global_shape:  # laid out as the input
+        return from_layout(y, input.device_mesh, layout)
     sizes = [
         new_sizes.get(m, list(layout.sizes_along(p.dim))) if isinstance(p, Shard) else None
         for m, p in enumerate(layout.placements)

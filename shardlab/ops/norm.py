@@ -114,6 +114,12 @@ def batch_norm(
         meta_like(bias), training, momentum, eps,
     )  # fmt: skip
     x = input.to_local()  # (N, C, *S_local)
+    if training and not groups_over(input.device_mesh, sharding_mesh_dims(input._layout)):
+        # no mesh dim of more than one rank cuts it: every rank holds all of it, so
+        # torch's own op on the block (its running statistics updated alike everywhere)
+        w, b = summed_grads([weight, bias], input, "batch_norm.params")  # (no groups)
+        y = F.batch_norm(x, running_mean, running_var, w, b, True, momentum, eps)
+        return rewrap(y, input, {}, input.shape)
     if not training:  # running statistics: local, no communication
         w, b = summed_grads([weight, bias], input, "batch_norm.params")
         y = _local(F.batch_norm, x, w, b, running_mean, running_var, w, b, False, momentum, eps)

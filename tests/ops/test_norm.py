@@ -19,6 +19,9 @@ LAYOUTS = {  # name -> (mesh shape, placements, sizes)
     "2-D batch x H": ((2, 2), [Shard(0), Shard(2)], [[3, 1], [4, 1]]),
     "2-D H x W": ((2, 2), [Shard(2), Shard(3)], [[1, 4], [5, 2]]),
     "2-D H x Replicate": ((2, 2), [Shard(2), Replicate()], [[2, 3], None]),
+    # a mesh dim of one rank cuts nothing: torch's own op on the whole block, no message
+    "1 rank: H": ((1,), [Shard(2)], [[5]]),
+    "2-D Replicate x H on one rank": ((2, 1), [Replicate(), Shard(2)], [None, [5]]),
 }
 
 MODULES = {  # name -> (factory, label, reduced dims: a collective iff one is sharded)
@@ -44,7 +47,9 @@ def _body(layout_names):
         for lname in layout_names:
             mesh_shape, placements, sizes = LAYOUTS[lname]
             mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
-            sharded = {p.dim for p in placements if isinstance(p, Shard)}
+            sharded = {  # cut across ranks
+                p.dim for p, n in zip(placements, mesh_shape) if isinstance(p, Shard) and n > 1
+            }
             for mname, (make, op, reduced) in MODULES.items():
                 torch.manual_seed(0)
                 ref_m, m = make().double(), make().double()
@@ -85,7 +90,7 @@ def _body(layout_names):
                     back = t.filter(kind="all_reduce").events
                     back = [e for e in back if e.label.startswith(op) and "backward" in e.label]
                     if op == "batch_norm" and training:  # weight/bias sums fused in
-                        assert len(back) == 1, (cfg, [e.label for e in back])
+                        assert len(back) == int(bool(sharded)), (cfg, [e.label for e in back])
                     assert len(back) <= 2, (cfg, [e.label for e in back])
                     other_fwd = [
                         e for e in t.events if "forward" in e.label and not e.label.startswith(op)
@@ -104,6 +109,12 @@ def _body(layout_names):
 @pytest.mark.parametrize("layouts", [["H uneven+empty", "W, size-1", "batch"]], ids=["1-D mesh"])
 def test_norms_1d_mesh(ranks_for, layouts):
     assert ranks_for(4).run(_body(layouts)) == [len(layouts) * len(MODULES) * 3] * 4
+
+
+def test_norms_on_mesh_dims_of_one_rank(ranks_for):
+    assert ranks_for(1).run(_body(["1 rank: H"])) == [len(MODULES) * 3]
+    names = ["2-D Replicate x H on one rank"]
+    assert ranks_for(2).run(_body(names)) == [len(MODULES) * 3] * 2
 
 
 def test_norms_2d_mesh(ranks_for):
