@@ -315,6 +315,15 @@ class ShardLayout:
             return None
         return outer
 
+    def cut_by(self, tensor_dim: int) -> list[int]:
+        """Mesh dims of more than one rank that cut ``tensor_dim``. A mesh dim of one rank
+        holds the whole dim: nothing is exchanged over it (no halo, no ring, no sum)."""
+        return [
+            m
+            for m, p in enumerate(self.placements)
+            if isinstance(p, Shard) and p.dim == tensor_dim and self.mesh_shape[m] > 1
+        ]
+
     def is_block(self, tensor_dim: int | None = None) -> bool:
         """True if ``tensor_dim`` (default: every dim) is cut into consecutive pieces."""
         if self.atoms is None:

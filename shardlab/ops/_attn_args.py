@@ -26,12 +26,7 @@ def sequence_cut(*tensors) -> bool:
     mesh dim of one rank holds the whole sequence: no ring.)"""
     from shardlab.tensor import ShardTensor
 
-    for t in tensors:
-        if isinstance(t, ShardTensor):
-            for m, p in enumerate(t._layout.placements):
-                if isinstance(p, Shard) and p.dim == t.ndim - 2 and t._layout.mesh_shape[m] > 1:
-                    return True
-    return False
+    return any(t._layout.cut_by(t.ndim - 2) for t in tensors if isinstance(t, ShardTensor))
 
 
 def why(msg: str) -> NotImplementedError:

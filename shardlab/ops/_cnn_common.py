@@ -259,21 +259,18 @@ class _SumGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat(
-            [
-                (
-                    g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)
-                ).reshape(-1)
-                for g, s in zip(grads, ctx.shapes)
-            ]
-        )
-        flat = _all_reduce(flat, ctx.groups, ctx.cause, "backward")
-        out, pos = [], 0
-        for s in ctx.shapes:
-            n = s.numel()
-            out.append(flat[pos : pos + n].view(s))
-            pos += n
-        return (None, None, *out)
+        grads = [
+            g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)
+            for g, s in zip(grads, ctx.shapes)
+        ]
+        return (None, None, *summed_together(grads, ctx.groups, ctx.cause))
+
+
+def summed_together(tensors, groups, cause) -> list:
+    """``tensors`` summed over the ranks of ``groups`` in ONE all-reduce of their
+    concatenation ("<cause> backward"); new tensors of the same shapes."""
+    flat = _all_reduce(torch.cat([t.reshape(-1) for t in tensors]), groups, cause, "backward")
+    return [s.view_as(t) for s, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 def summed_grads(tensors, input, cause):

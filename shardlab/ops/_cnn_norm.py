@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlab.ops._cnn_common import _all_reduce
+from shardlab.ops._cnn_common import _all_reduce, summed_together
 from shardlab.tensor.recompute import fenced, kept
 
 
@@ -146,13 +146,9 @@ class RowsNorm(torch.autograd.Function):
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
             g, x, ctx.shape, mean, rstd, w, b, need
         )
-        params = [(t, d) for t, d in ((w, dw), (b, db)) if t is not None]
+        params = [d for d in (dw, db) if d is not None]  # (asked for: w, b given)
         if ctx.groups and params:  # summed over the ranks holding the other rows
-            flat = torch.cat([(d if d is not None else torch.zeros_like(t)).reshape(-1)
-                              for t, d in params])  # fmt: skip
-            flat = _all_reduce(flat, ctx.groups, "layer_norm.params", "backward")
-            sums = flat.split([t.numel() for t, _ in params])
-            it = iter(s.view_as(t) for s, (t, _) in zip(sums, params))
-            dw, db = (next(it) if t is not None else None for t in (w, b))
+            it = iter(summed_together(params, ctx.groups, "layer_norm.params"))
+            dw, db = (None if d is None else next(it) for d in (dw, db))
         dx = None if dx is None else ShardTensor._wrap(dx, ctx.mesh, ctx.layout)
         return dx, dw, db, None, None, None

@@ -167,11 +167,8 @@ def _conv(name: str, n: int, transposed: bool):
         w, b = summed_grads([weight, bias], input, f"{name}.params")
         local_pad, local_out_pad, crops, out_sizes = [], [], {}, {}
         # cut across ranks; a mesh dim of one rank holds the whole dim (no halo)
-        cuts = [
-            m for m, p in enumerate(layout.placements)
-            if isinstance(p, Shard) and p.dim >= 2 and layout.mesh_shape[m] > 1
-        ]  # fmt: skip
-        sharded = [i for i in range(n) if any(layout.placements[m].dim == 2 + i for m in cuts)]
+        cuts = [m for i in range(n) for m in layout.cut_by(2 + i)]
+        sharded = [i for i in range(n) if layout.cut_by(2 + i)]
         overlap = (
             _OVERLAP.get()
             and not transposed

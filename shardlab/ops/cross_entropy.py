@@ -34,8 +34,8 @@ Forward, per row r (every per-row tensor keeps the class dim with size 1)::
 Steps 1-2 run only when a mesh dim shards the classes, step 4's all-reduce only for
 'sum'/'mean' with sharded rows (a mesh dim of one rank shards nothing here: no
 collective). With neither (one rank, or every row and class on every rank) torch's own
-kernel runs on the local block. Exact counts per forward: vocab-parallel 2 all-reduces of 1 and 2 (3
-with label smoothing or probability targets) numbers per local row,
+kernel runs on the local block. Exact counts per forward: vocab-parallel 2 all-reduces
+of 1 and 2 (3 with label smoothing or probability targets) numbers per local row,
 +1 of 3 numbers with sharded rows; segmentation 1 of 3 numbers ('none': 0). Backward:
 no collective, d loss_r / d x_rc = g_r ((1 - eps) w_t (p_rc - [c = t_r]) +
 eps / C (W p_rc - w_c)) (probability targets: g_r (B_r p_rc - w_c q_rc)) with
@@ -53,19 +53,17 @@ A target index outside [0, C) raises IndexError on every rank after the collecti
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate
 
-from shardlab.layout import ShardLayout
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import groups_over
 from shardlab.ops.registry import register
 from shardlab.tensor import comm
 from shardlab.tensor.api import from_layout
+from shardlab.tensor.aten._common import replicate_layout
 from shardlab.tensor.recompute import fenced, kept
 from shardlab.trace import label
 
@@ -157,14 +155,8 @@ def cross_entropy(
     else:
         out = _CrossEntropy.apply(input.to_local(), t, plan)
     if reduction != "none":  # a 0-dim value, the same on every rank
-        return from_layout(out, mesh, _scalar_layout(tuple(mesh.shape)))
+        return from_layout(out, mesh, replicate_layout((), mesh))
     return from_layout(out, mesh, ce_args.rows_layout(layout, cd))
-
-
-@functools.lru_cache(maxsize=64)
-def _scalar_layout(mesh_shape) -> ShardLayout:
-    """A 0-dim value on every rank of a mesh of ``mesh_shape``."""
-    return ShardLayout.build((), mesh_shape, [Replicate()] * len(mesh_shape))
 
 
 @fenced

@@ -131,17 +131,6 @@ def signature(func, args, kwargs):
                     key.append((st, id(a._spec.mesh), layout, a.stride(), a.dtype, a.requires_grad))
                 elif type(a) is list and _all_ints(a):  # sizes, dims (view, sum, permute)
                     key.append((list, _INTS, *a))
-                elif type(a) is list and a and type(a[0]) is st:  # cat's tensors, inline
-                    entry = [list]
-                    for v in a:
-                        if type(v) is st and v._layout is not None:
-                            entry.append(
-                                (st, id(v._spec.mesh), v._layout, v.stride(), v.dtype,
-                                 v.requires_grad)
-                            )  # fmt: skip
-                        else:
-                            entry.append(_sig(v, st))  # (what _sig(a) would give)
-                    key.append(tuple(entry))
                 else:
                     key.append(_sig(a, st))
             if kwargs:

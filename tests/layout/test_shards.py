@@ -302,3 +302,17 @@ def test_replace_keeps_layouts_per_typed_changes_and_boxes_per_coordinate():
         for method in (base.local_box, base.local_offset, base.local_shape):
             with pytest.raises(TypeError, match=r"coord\[0\]"):
                 method(bad)
+
+
+def test_cut_by_names_the_mesh_dims_of_more_than_one_rank():
+    """A dim cut only by a mesh dim of one rank is whole there: ``cut_by`` leaves it out."""
+    lay = ShardLayout.build((4, 6, 5), (2, 1), [Shard(1), Shard(2)])
+    assert lay.cut_by(1) == [0]
+    assert lay.cut_by(2) == []  # mesh dim 1 has one rank
+    assert lay.cut_by(0) == []
+    both = ShardLayout.build((4, 6), (2, 3), [Shard(1), Shard(1)])
+    assert both.cut_by(1) == [0, 1]
+    one = ShardLayout.build((4, 6), (1,), [Shard(0)])
+    assert one.cut_by(0) == [] and one.cut_by(1) == []
+    rep = ShardLayout.build((4, 6), (2,), [Replicate()])
+    assert rep.cut_by(0) == []

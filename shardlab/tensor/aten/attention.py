@@ -14,7 +14,6 @@ A cut sequence is the ring's job (:mod:`shardlab.ops.attention`, under
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Shard
 
 from shardlab.layout.elementwise import restrict, target_from
 from shardlab.layout.views import select_dims_layout
@@ -36,13 +35,7 @@ def _whole_rows(*tensors) -> bool:
 def _cut(dim, *tensors) -> bool:
     """Does a mesh dim of more than one rank cut ``dim`` of any argument?"""
     st = c.shard_tensor_cls()
-    for t in tensors:
-        if isinstance(t, st):
-            d = dim % t.ndim
-            for m, p in enumerate(t._layout.placements):
-                if isinstance(p, Shard) and p.dim == d and t._layout.mesh_shape[m] > 1:
-                    return True
-    return False
+    return any(t._layout.cut_by(dim % t.ndim) for t in tensors if isinstance(t, st))
 
 
 def _like(t, target, mesh, cause):
