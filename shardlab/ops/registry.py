@@ -40,6 +40,8 @@ def call(name: str, args, kwargs):
     """``F.<name>(*args, **kwargs)`` with ShardTensor (or plain DTensor) arguments:
     the arguments prepared (:func:`shardlab.tensor.interop.prepare`: DTensors adopted,
     Partial values reduced, strided dims made consecutive), then the handler."""
+    from shardlab.ops._whole import NAMES as WHOLE_NAMES
+    from shardlab.ops._whole import whole_call
     from shardlab.tensor.autocast import autocast_call
     from shardlab.tensor.interop import prepare
 
@@ -51,6 +53,10 @@ def call(name: str, args, kwargs):
             "Replicate() and call it on .full_tensor(), or disable the patches."
         )
     args, kwargs = prepare(args, kwargs, name, keep_strided=name in ROW_WISE)
+    if name in WHOLE_NAMES:  # every rank holds the whole tensor: torch's own op
+        out = whole_call(name, original(name), args, kwargs)
+        if out is not NotImplemented:
+            return out
     return autocast_call(name, original(name), handler, args, kwargs, device_type(args, kwargs))
 
 
