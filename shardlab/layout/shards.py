@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ._atoms import atom_ranges, canonical, dim_indices, dim_intervals
@@ -323,6 +323,16 @@ class ShardLayout:
             for m, p in enumerate(self.placements)
             if isinstance(p, Shard) and p.dim == tensor_dim and self.mesh_shape[m] > 1
         ]
+
+    def is_whole(self) -> bool:
+        """True if every rank holds all of the tensor, in its order: no mesh dim of more
+        than one rank cuts it and nothing is Partial (a 1-rank mesh; Shard only on mesh
+        dims of one rank, Replicate on the others). Torch's own op on such blocks is the
+        single-device op."""
+        return all(
+            isinstance(p, Replicate) or (isinstance(p, Shard) and n == 1)
+            for p, n in zip(self.placements, self.mesh_shape)
+        )
 
     def is_block(self, tensor_dim: int | None = None) -> bool:
         """True if ``tensor_dim`` (default: every dim) is cut into consecutive pieces."""

@@ -62,15 +62,10 @@ _SIZE = 4096
 
 
 def is_whole(layout) -> bool:
-    """No mesh dim of more than one rank cuts ``layout`` and nothing is Partial: every
-    rank holds the whole global tensor, in its order (a strided dim cut by mesh dims of
-    one rank is one piece: all of it). A pure function of the layout."""
+    """:meth:`ShardLayout.is_whole`, kept per layout (a call costs a loop)."""
     hit = _WHOLE.get(layout)
     if hit is None:
-        hit = all(
-            isinstance(p, Replicate) or (isinstance(p, Shard) and n == 1)
-            for p, n in zip(layout.placements, layout.mesh_shape)
-        )
+        hit = layout.is_whole()
         if len(_WHOLE) >= _SIZE:
             _WHOLE.clear()
         _WHOLE[layout] = hit

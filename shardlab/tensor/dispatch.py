@@ -131,6 +131,8 @@ def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
     if how is None and elementwise and not many:
         how = replay(func, args, kwargs, out)
         how = how and (*how, None)
+    if how is None:
+        how = _on_whole_blocks(func, args, kwargs, outs, many)
     if how is not None:
         moves, mesh, layouts, cause, local = how
         layouts = layouts if many else (layouts,)
@@ -139,6 +141,45 @@ def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
         outs = [(o._layout, o.stride(), o.dtype) for o in outs]
         anchors = _anchors(func, args, kwargs)
         decisions.remember(key, decisions.LocalCall(moves, mesh, outs, many, cause, anchors, local))
+
+
+# ops whose values or success depend on the block's own strides, which a key (global
+# strides) does not fix: decided in full every time on whole blocks too
+_STRIDED_READS = {aten.as_strided, aten.as_strided_copy, aten.as_strided_scatter,
+                  aten.view, aten._unsafe_view, aten.view_copy, aten._reshape_alias}  # fmt: skip
+
+
+def _on_whole_blocks(func, args, kwargs, outs, many):
+    """Every ShardTensor argument and result whole on every rank (``ShardLayout.is_whole``:
+    a 1-rank mesh, or no cut across ranks): whatever the rule did, the op on the blocks
+    as they are gives each rank the whole result, so the decision is kept as that local
+    call (a ``select`` of a cut dim on one rank, a ``cat`` of a lifted Replicate tensor
+    and a Shard one). Not for random ops (their rules define their own draws), nor for
+    ops that read the block's strides (:data:`_STRIDED_READS`)."""
+    st = c.shard_tensor_cls()
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return None
+    if func.overloadpacket in _STRIDED_READS:
+        return None
+    if not all(o._layout.is_whole() for o in outs):
+        return None
+    moves, mesh = [], None
+    for a in (*args, *kwargs.values()):
+        if type(a) is list and a and all(type(t) is st for t in a):
+            sts, move = a, decisions.BLOCKS
+        else:
+            sts, move = ((a,) if type(a) is st else ()), None
+        for t in sts:
+            if not t._layout.is_whole() or (mesh is not None and t.device_mesh is not mesh):
+                return None
+            mesh = t.device_mesh
+        if move is None and type(a) in (list, tuple) and c.shards_in(a):
+            return None  # ShardTensors mixed with other things in a list
+        moves.append(move)
+    if mesh is None:
+        return None
+    layouts = tuple(o._layout for o in outs)
+    return moves, mesh, layouts if many else layouts[0], "", None
 
 
 _WRITTEN: dict = {}

@@ -316,3 +316,16 @@ def test_cut_by_names_the_mesh_dims_of_more_than_one_rank():
     assert one.cut_by(0) == [] and one.cut_by(1) == []
     rep = ShardLayout.build((4, 6), (2,), [Replicate()])
     assert rep.cut_by(0) == []
+
+
+def test_whole_means_no_mesh_dim_of_more_than_one_rank_cuts_it():
+    build = ShardLayout.build
+    assert build((4, 6), (1,), [Shard(1)]).is_whole()
+    assert build((4, 6), (2, 1), [Replicate(), Shard(1)]).is_whole()
+    assert build((4, 6), (3,), [Replicate()]).is_whole()
+    assert not build((4, 6), (2,), [Shard(1)], [[6, 0]]).is_whole()  # a piece of 0: a cut
+    assert not build((4, 6), (2, 1), [Shard(0), Shard(1)]).is_whole()
+    assert not build((4, 6), (1,), [Partial()]).is_whole()
+    # a strided dim cut by a mesh dim of one rank: its one piece is all of it, in order
+    strided = ShardLayout((8,), (1,), (Shard(0),), (((4,),),), atoms=((2, 4),), cuts=(1,))
+    assert not strided.is_block() and strided.is_whole()

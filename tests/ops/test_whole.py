@@ -7,28 +7,15 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import shardlab
 from shardlab import distribute, this_rank
 from shardlab.layout import ShardLayout
-from shardlab.ops._whole import NAMES, is_whole, out_layout
+from shardlab.ops._whole import NAMES, out_layout
 
 
-# -- what is whole: pure functions of the layout -------------------------------------------
-def test_whole_means_no_mesh_dim_of_more_than_one_rank_cuts_it():
-    build = ShardLayout.build
-    assert is_whole(build((4, 6), (1,), [Shard(1)]))
-    assert is_whole(build((4, 6), (2, 1), [Replicate(), Shard(1)]))
-    assert is_whole(build((4, 6), (3,), [Replicate()]))
-    assert not is_whole(build((4, 6), (2,), [Shard(1)], [[6, 0]]))  # a piece of 0 is a cut too
-    assert not is_whole(build((4, 6), (2, 1), [Shard(0), Shard(1)]))
-    assert not is_whole(build((4, 6), (1,), [Partial()]))
-    # a strided dim cut by a mesh dim of one rank: its one piece is all of it, in order
-    strided = ShardLayout((8,), (1,), (Shard(0),), (((4,),),), atoms=((2, 4),), cuts=(1,))
-    assert not strided.is_block() and is_whole(strided)
-
-
+# -- the result's layout: a pure function --------------------------------------------
 def test_the_result_keeps_the_input_dims_pieces_or_is_replicated():
     lay = ShardLayout.build((2, 3, 8, 8), (2, 1), [Replicate(), Shard(2)])
     out = out_layout(lay, (2, 5, 4, 4))

@@ -2,13 +2,13 @@
 
 Each op of ``op_db`` with a float64 sample whose input can be cut along the swept dim
 (dim 0, then the last dim) runs on a ShardTensor with uneven sizes (zeros included) on 3
-and 4 ranks; sample arguments of the input's shape are cut too, with other sizes (so the
-alignment moves run). The result, gathered, must equal the same call on one device
-(float64, 1e-7), and so must the gradient of the input (of a fixed random weighting of
-the outputs) for ops that support autograd; or every rank must raise. A hang would time
-the pool out (10 s) and
-fail the test. Skipped, with the reason in ``SKIPPED``: ops whose results are random or
-uninitialised, and CUDA-only ops.
+and 4 ranks, and on one rank (twice: the second run replays the kept decisions); sample
+arguments of the input's shape are cut too, with other sizes (so the alignment moves
+run). The result, gathered, must equal the same call on one device (float64, 1e-7), and
+so must the gradient of the input (of a fixed random weighting of the outputs) for ops
+that support autograd; or every rank must raise. A hang would time the pool out (10 s)
+and fail the test. Skipped, with the reason in ``SKIPPED``: ops whose results are random
+or uninitialised, and CUDA-only ops.
 """
 
 from __future__ import annotations
@@ -203,9 +203,11 @@ def _weighted(out, ws, full=lambda t: t):
     return total if isinstance(total, torch.Tensor) else torch.zeros((), requires_grad=True)
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [1, 3, 4])
 @pytest.mark.parametrize("dim", [0, -1])
 def test_op_db_equals_torch_or_raises_on_every_rank(ranks_for, world, dim):
+    """On one rank (every block whole: decisions kept as torch's call on the blocks) each
+    chunk runs twice, the second time on the kept decisions, with the same verdicts."""
     cases = _cases(dim)
     assert len(cases) > 350
     pool = ranks_for(world)
@@ -216,6 +218,9 @@ def test_op_db_equals_torch_or_raises_on_every_rank(ranks_for, world, dim):
         for name in per_rank[0]:
             verdicts = {r[name] for r in per_rank}
             assert len(verdicts) == 1, (name, verdicts)  # no split errors
+        if world == 1:  # again, on the decisions just kept
+            again = pool.run(_body(chunk, dim, seed=start + world))[0]
+            assert again == per_rank[0], {k: v for k, v in again.items() if v != per_rank[0][k]}
         results.update(per_rank[0])
     wrong = {k: v for k, v in results.items() if v.startswith("WRONG")}
     assert not wrong, wrong

@@ -181,8 +181,10 @@ def _wrap_like(out, x, dims, mesh):
 
 
 def _scan_ok(x, dim) -> bool:
+    """One mesh dim of more than one rank cuts the block dim (one rank: the move to a
+    whole dim is free, no scan)."""
     cut = _cutting(x._layout, [dim])
-    return x._layout.is_block(dim) and len(cut) == 1
+    return x._layout.is_block(dim) and len(cut) == 1 and x.device_mesh.shape[cut[0]] > 1
 
 
 def _cumsum(x, dim, dtype):

@@ -208,7 +208,8 @@ def _arg_extreme(func, args, kwargs):
         idx = _global_index(idx, x, d, flat)
     with label(f"{c.op_name(func)}.reduce"):
         for m in cut:
-            vals, idx = _combine(vals, idx, mesh.get_group(m), is_max)
+            if mesh.shape[m] > 1:  # one rank: its winner is the winner
+                vals, idx = _combine(vals, idx, mesh.get_group(m), is_max)
     if keepdim:
         if flat:
             vals, idx = vals.reshape([1] * x.ndim), idx.reshape([1] * x.ndim)

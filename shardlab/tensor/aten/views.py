@@ -64,7 +64,13 @@ def view_to(x, shape, what: str = "view", copy: bool = False, op=None):
     view of the block as it is is kept for the op's signature (:mod:`.decisions`)."""
     shape = _resolve(shape, x.numel())
     base = x
-    x, out = _unblocked(x, lambda lay: view_layout(lay, shape), what)
+    if x._layout.is_whole():  # every rank holds all of it: any whole layout is its view
+        try:
+            out = view_layout(x._layout, shape)
+        except Blocked:  # a cut of one rank in the way: no move, Replicate says the same
+            out = c.replicate_layout(shape, x.device_mesh)
+    else:
+        x, out = _unblocked(x, lambda lay: view_layout(lay, shape), what)
     local_shape = out.local_shape(c.me(x.device_mesh))
     local = x._local_tensor
     try:
