@@ -31,7 +31,7 @@ __all__ = ["PATCHED_NAMES", "disable", "enable", "is_enabled", "patched"]
 PATCHED_NAMES = (
     "conv1d", "conv2d", "conv3d",
     "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "pad", "scaled_dot_product_attention", "cross_entropy",
+    "linear", "pad", "scaled_dot_product_attention", "cross_entropy",
     "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
     "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",

@@ -9,6 +9,7 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     cross_entropy,
     dropout,
     interpolate,
+    linear,
     mha,
     neighborhood,
     norm,

@@ -32,7 +32,7 @@ NAMES = frozenset(
     | {f"conv_transpose{n}d" for n in (1, 2, 3)}
     | {f"{kind}_pool{n}d" for kind in ("max", "avg") for n in (1, 2, 3)}
     | {f"adaptive_{kind}_pool{n}d" for kind in ("max", "avg") for n in (1, 2, 3)}
-    | {"pad", "interpolate", "batch_norm", "group_norm", "instance_norm", "layer_norm"}
+    | {"linear", "pad", "interpolate", "batch_norm", "group_norm", "instance_norm", "layer_norm"}
     | {"scaled_dot_product_attention", "cross_entropy"}
 )
 

@@ -15,17 +15,22 @@ from shardlab.tensor import traced
 
 HANDLERS: dict[str, Callable] = {}
 ROW_WISE: set[str] = set()  # handlers that take strided dims as they are
+RAW: set[str] = set()  # handlers that take the arguments as they come (no prepare)
 
 
-def register(*names: str, row_wise: bool = False) -> Callable:
+def register(*names: str, row_wise: bool = False, raw: bool = False) -> Callable:
     """``@register("conv2d")``; ``row_wise=True``: the handler treats every row alone
-    (cross-entropy), so strided layouts (a flattened (B*S) dim) need not move first."""
+    (cross-entropy), so strided layouts (a flattened (B*S) dim) need not move first;
+    ``raw=True``: the handler gets the arguments as they come, plain DTensors and Partial
+    or strided layouts too (it passes what it does not take to torch's own function)."""
 
     def deco(fn: Callable) -> Callable:
         for name in names:
             HANDLERS[name] = fn
             if row_wise:
                 ROW_WISE.add(name)
+            if raw:
+                RAW.add(name)
         return fn
 
     return deco
@@ -52,7 +57,8 @@ def call(name: str, args, kwargs):
             f"handles {supported()} on ShardTensors. Redistribute the arguments to "
             "Replicate() and call it on .full_tensor(), or disable the patches."
         )
-    args, kwargs = prepare(args, kwargs, name, keep_strided=name in ROW_WISE)
+    if name not in RAW:
+        args, kwargs = prepare(args, kwargs, name, keep_strided=name in ROW_WISE)
     if name in WHOLE_NAMES:  # every rank holds the whole tensor: torch's own op
         out = whole_call(name, original(name), args, kwargs)
         if out is not NotImplemented:

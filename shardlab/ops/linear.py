@@ -1,0 +1,87 @@
+"""``F.linear`` on rows: every ``nn.Linear`` of a sequence- or batch-parallel model.
+
+An input ``(*, in_features)`` cut along its leading dims only (the sequence, the batch;
+any sizes, in blocks) and a plain weight and bias (the module's parameters, the same
+on every rank)::
+
+    rank 0   x[0:5]  @ W.T + b  ->  y[0:5]        (one local F.linear, no message)
+    rank 1   x[5:8]  @ W.T + b  ->  y[5:8]
+
+1. the plain ``F.linear`` on this rank's block             (*, T_local, out_features)
+2. the result laid out like the input, ``out_features`` whole on every rank
+3. backward: torch's own linear backward on the block; the weight and bias gradients
+   (this rank's rows' share) summed over the mesh dims cutting the input by ONE fused
+   all-reduce ("linear.params backward"), none on a mesh of one rank
+
+One autograd node and torch's kernels for what the aten path does in about eight
+dispatched ops (view, t, mm, _unsafe_view and their backward), each deciding layouts.
+Anything else (a cut ``in_features``, a Partial input, a strided dim or one cut by two
+mesh dims (flattened image tokens on a 2-D mesh), sharded or DTensor
+weights, a non-contiguous input) goes to torch's ``F.linear`` on the ShardTensors (the
+aten rules); plain DTensors alone (torch's tensor parallelism) stay DTensor's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+from shardlab.ops._cnn_common import summed_grads
+from shardlab.ops.registry import original, register
+
+__all__: list[str] = []
+
+_ROWS: dict = {}  # input layout -> rows only (no Partial, in_features uncut), or None
+_SIZE = 4096
+
+
+def rows_only(layout) -> bool:
+    """Blocks cut along leading dims only: no Partial, no Shard of the last dim, no dim
+    cut by two mesh dims or strided (a pure function of the layout)."""
+    last = len(layout.global_shape) - 1
+    dims = [p.dim for p in layout.placements if isinstance(p, Shard)]
+    return (
+        layout.atoms is None
+        and last not in dims
+        and len(set(dims)) == len(dims)
+        and not any(isinstance(p, Partial) for p in layout.placements)
+    )
+
+
+def out_layout(layout, out_features: int):
+    """The input's layout with its last dim ``out_features`` long (kept per layout)."""
+    key = (layout, out_features)
+    hit = _ROWS.get(key)
+    if hit is None:
+        shape = (*layout.global_shape[:-1], out_features)
+        hit = layout.replace(global_shape=shape) if rows_only(layout) else False
+        if len(_ROWS) >= _SIZE:
+            _ROWS.clear()
+        _ROWS[key] = hit
+    return hit
+
+
+@register("linear", raw=True)  # what it does not take goes to torch as it came
+def linear(input, weight, bias=None):
+    from shardlab.tensor import ShardTensor
+    from shardlab.tensor.api import _ToLocal, from_layout
+
+    layout = getattr(input, "_layout", None)
+    if (
+        type(input) is not ShardTensor
+        or isinstance(weight, DTensor)
+        or isinstance(bias, DTensor)
+        or layout is None
+        or input.ndim == 0
+        or weight.ndim != 2
+        or input.shape[-1] != weight.shape[1]
+        or (bias is not None and tuple(bias.shape) != (weight.shape[0],))
+        or not input.is_contiguous()
+    ):
+        return original("linear")(input, weight, bias)  # the aten rules (torch's errors)
+    out = out_layout(layout, weight.shape[0])
+    if out is False:
+        return original("linear")(input, weight, bias)
+    w, b = summed_grads([weight, bias], input, "linear.params")  # 3. in backward
+    y = torch.nn.functional.linear(_ToLocal.apply(input, layout), w, b)  # 1. (*, out)
+    return from_layout(y, input.device_mesh, out)  # 2.
