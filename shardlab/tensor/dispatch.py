@@ -93,6 +93,7 @@ def _remember_inplace(key, func, args, kwargs, out, before) -> None:
     if how is None or how[0][0] is not None:
         return
     moves, mesh, _, cause = how
+    moves = _whole_moves(moves, args, kwargs)
     anchors = _anchors(func, args, kwargs)
     decisions.remember(key, decisions.LocalInplace(moves, mesh, [], False, cause, anchors))
 
@@ -135,12 +136,30 @@ def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
         how = _on_whole_blocks(func, args, kwargs, outs, many)
     if how is not None:
         moves, mesh, layouts, cause, local = how
+        moves = _whole_moves(moves, args, kwargs)
         layouts = layouts if many else (layouts,)
         if [o._layout for o in outs] != list(layouts):
             return  # not what the rule said it made: decide in full every time
         outs = [(o._layout, o.stride(), o.dtype) for o in outs]
         anchors = _anchors(func, args, kwargs)
         decisions.remember(key, decisions.LocalCall(moves, mesh, outs, many, cause, anchors, local))
+
+
+def _whole_moves(moves, args, kwargs) -> list:
+    """A move from a whole block to a whole layout is no move (each rank's block of the
+    one is its block of the other: a relabelling over mesh dims of one rank, or a plain
+    tensor "cut" to a layout that cuts nothing): kept as None, the block as it is."""
+    from shardlab.layout import ShardLayout
+
+    st = c.shard_tensor_cls()
+    out = list(moves)
+    for i, (a, m) in enumerate(zip((*args, *kwargs.values()), moves)):
+        if isinstance(m, ShardLayout) and m.is_whole():
+            if type(a) is st and a._layout.is_whole() and a.shape == m.global_shape:
+                out[i] = None
+            elif type(a) in (torch.Tensor, torch.nn.Parameter) and a.shape == m.global_shape:
+                out[i] = None
+    return out
 
 
 # ops whose values or success depend on the block's own strides, which a key (global

@@ -331,3 +331,48 @@ def _training_body(seed):
 def test_kept_decisions_in_a_training_step_equal_torch(ranks_for, world, seed):
     for bad, missing in ranks_for(world).run(_training_body(world * 10 + seed)):
         assert bad == [] and missing == [], (bad, missing)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_whole_blocks_keep_decisions_without_moves(ranks_for, world):
+    """Every rank holding the whole tensor (one rank; Shard only on a mesh dim of one rank,
+    Replicate on the other): each decision is kept as torch's call on the blocks as they
+    are (no move, also for a plain tensor aligned to the layout, a select of the cut dim,
+    a cat of Replicate and Shard), and replays equal torch."""
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        from shardlab import distribute, this_rank
+        from shardlab.tensor import decisions
+
+        n = this_rank().world_size
+        mesh = this_rank().mesh if n == 1 else init_device_mesh("cpu", (n, 1))
+        places = [Shard(1)] if n == 1 else [Replicate(), Shard(1)]
+        g = torch.Generator().manual_seed(4)
+        x0 = torch.randn(2, 6, 4, generator=g)
+        cos = torch.randn(1, 6, 4, generator=g)
+        x = distribute(x0, mesh, places)
+        r = distribute(x0[:, :1], mesh, [Replicate()] * mesh.ndim)
+
+        def ops(x, r):
+            return [
+                x * cos + cos,
+                torch.cat([r, x], 1),
+                x[:, 0] + x.select(1, 5),
+                x.view(2, 24).sum(-1),
+                x.cumsum(1) + x.max(1, keepdim=True).values,
+            ]
+
+        want = ops(x0, x0[:, :1])
+        decisions.clear()
+        got = [ops(x, r) for _ in range(3)]
+        kept = [d for d in decisions._TABLE.values() if isinstance(d, decisions.LocalCall)]
+        equal = all(
+            torch.allclose(a.full_tensor(), b, atol=1e-6) for run in got for a, b in zip(run, want)
+        )
+        return equal, len(kept) > 0, [d.moves for d in kept if not (d.still or d.lists)]
+
+    for equal, kept, moved in ranks_for(world).run(body):
+        assert equal and kept and moved == [], moved
