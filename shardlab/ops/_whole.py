@@ -99,6 +99,8 @@ def whole_call(name, original, args, kwargs):
     """``original(*args, **kwargs)`` (torch's ``F.<name>``) on the blocks when every
     ShardTensor argument is whole (one mesh, no other distributed argument, no list of
     tensors), its tensor results wrapped; else NotImplemented (the sharded handler)."""
+    if args and not _WHOLE.get(getattr(args[0], "_layout", None), True):
+        return NotImplemented  # the common sharded call, seen before: one lookup
     from shardlab.tensor.api import ShardTensor, from_layout
 
     only_if = _ONLY_IF.get(name)

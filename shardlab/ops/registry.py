@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shardlab.ops._whole import NAMES as WHOLE_NAMES
+from shardlab.ops._whole import whole_call
 from shardlab.tensor import traced
 
 HANDLERS: dict[str, Callable] = {}
@@ -45,8 +47,6 @@ def call(name: str, args, kwargs):
     """``F.<name>(*args, **kwargs)`` with ShardTensor (or plain DTensor) arguments:
     the arguments prepared (:func:`shardlab.tensor.interop.prepare`: DTensors adopted,
     Partial values reduced, strided dims made consecutive), then the handler."""
-    from shardlab.ops._whole import NAMES as WHOLE_NAMES
-    from shardlab.ops._whole import whole_call
     from shardlab.tensor.autocast import autocast_call
     from shardlab.tensor.interop import prepare
 
