@@ -120,9 +120,19 @@ def _conv(name: str, n: int, transposed: bool):
         groups = kwargs.get("groups", groups)
         if not isinstance(input, ShardTensor):
             raise NotImplementedError(f"{name}: only the input may be a sharded ShardTensor")
-        if input.ndim != n + 2:
-            raise ValueError(
-                f"{name}: expected a {n + 2}-D input (N, C, *{n} spatial dims), got {input.ndim}-D"
+        if input.ndim == n + 1:  # unbatched (C, *spatial), as torch takes it: a batch of 1
+            for m, p in enumerate(input.placements):
+                if isinstance(p, Shard) and p.dim == 0:
+                    raise NotImplementedError(
+                        f"{name}: an unbatched input cut along its channels ({placement_str(p)} "
+                        f"on mesh dim {m}) is not supported; shard its spatial dims"
+                    )
+            y = handler(input.unsqueeze(0), weight, bias, stride, padding, *rest, **kwargs)
+            return y.squeeze(0)
+        if input.ndim != n + 2:  # torch's error type
+            raise RuntimeError(
+                f"{name}: expected a {n + 1}-D (C, *{n} spatial dims) or {n + 2}-D input (N, C, "
+                f"*{n} spatial dims), got {input.ndim}-D of global shape {list(input.shape)}"
             )
         # torch's own checks (channels, groups, kernel larger than the padded input …) on
         # the global shapes: the same error on every rank, before any message

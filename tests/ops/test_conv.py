@@ -383,3 +383,50 @@ def test_two_d_mesh_exact_bytes_with_corners(ranks_for):
 
     for ok, exact, got, want, _ in ranks_for(4).run(body):
         assert ok and exact, (got, want)
+
+
+def test_unbatched_input_as_torch_takes_it(ranks_for):
+    """An unbatched (C, *spatial) input cut along a spatial dim: torch's values and input
+    gradient (a batch of one inside); cut along its channels: shardlab's own error; a
+    wrong number of dims: torch's error type. The same on every rank."""
+
+    def body():
+        F = torch.nn.functional
+        mesh = this_rank().mesh
+        g = torch.Generator().manual_seed(2)
+        out = []
+        calls = [
+            ("conv1d", (3, 11), (4, 3, 3), 1, [6, 5], {"padding": 1}),
+            ("conv2d", (3, 7, 6), (2, 3, 3, 3), 1, [2, 5], {"stride": 2}),
+            ("conv_transpose2d", (3, 5, 6), (3, 2, 2, 2), 2, [6, 0], {"stride": 2}),
+        ]
+        for name, shape, wshape, dim, sizes, kw in calls:
+            x0 = torch.randn(shape, generator=g, dtype=torch.float64)
+            w = torch.randn(wshape, generator=g, dtype=torch.float64)
+            ref = x0.clone().requires_grad_()
+            want = getattr(F, name)(ref, w, **kw)
+            gy = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            want.backward(gy)
+            xs = distribute(x0, mesh, [Shard(dim)], sizes).requires_grad_()
+            with shardlab.patched():
+                y = getattr(F, name)(xs, w, **kw)  # patched: looked up inside
+                y.backward(distribute(gy, mesh, [Shard(dim)], [list(y.sharding.sizes_along(dim))]))
+            out.append(
+                torch.allclose(y.full_tensor(), want)
+                and torch.allclose(xs.grad.full_tensor(), ref.grad)
+                and y.placements == (Shard(dim),)
+            )
+        with shardlab.patched():
+            for x, err in (
+                (distribute(torch.randn(4, 9), mesh, [Shard(0)]), NotImplementedError),
+                (distribute(torch.randn(9), mesh, [Shard(0)]), RuntimeError),
+            ):
+                try:
+                    F.conv1d(x, torch.randn(2, 4, 3))
+                    out.append("no error")
+                except err as exc:
+                    out.append(str(exc).split(":")[0])
+        return out
+
+    results = ranks_for(2).run(body)
+    assert results[0] == results[1] == [True, True, True, "conv1d", "conv1d"], results
