@@ -217,9 +217,10 @@ def instance_norm(
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     from shardlab.tensor.api import from_layout
 
-    meta_call(F.layer_norm, input, normalized_shape, meta_like(weight), meta_like(bias), eps)
     k = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
     gshape = input._layout.global_shape  # (read here, not through __torch_function__)
+    if not _fits(normalized_shape, gshape, weight, bias):  # torch's error, every rank
+        meta_call(F.layer_norm, input, normalized_shape, meta_like(weight), meta_like(bias), eps)
     dims = list(range(len(gshape) - k, len(gshape)))
     if not sharding_mesh_dims(input._layout, dims):
         # whole rows on every rank, whatever cuts the other dims (strided, or one dim cut
@@ -236,6 +237,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         x = input.to_local()
         y = _local(F.layer_norm, x, w, b, x.shape[input.ndim - k :], w, b, eps)
         return from_layout(y, input.device_mesh, input.sharding)
+    meta_call(F.layer_norm, input, normalized_shape, meta_like(weight), meta_like(bias), eps)
     input = _consecutive(input, dims, "layer_norm")
     input = check_input("layer_norm", input)
     x, layout, mesh = input.to_local(), input.sharding, input.device_mesh
@@ -245,6 +247,17 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     spec = NormSpec(tuple(x.shape), tuple(dims), n, groups, "layer_norm.stats", eps, None, False)
     y = SyncNorm.apply(x, w, b, spec)[0]
     return rewrap(y, input, {}, input.shape)
+
+
+def _fits(normalized_shape, gshape, weight, bias) -> bool:
+    """The shapes torch checks agree (the trailing dims, the weight's and bias's): no
+    meta run needed for its errors (a wrong dtype or device fails alike in the kernel)."""
+    if type(normalized_shape) not in (tuple, list, torch.Size):
+        return False
+    shape = tuple(normalized_shape)
+    if not shape or len(shape) > len(gshape) or shape != tuple(gshape[len(gshape) - len(shape) :]):
+        return False
+    return all(t is None or tuple(t.shape) == shape for t in (weight, bias))
 
 
 def _consecutive(input, dims, name):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from shardlab.ops._whole import NAMES as WHOLE_NAMES
 from shardlab.ops._whole import whole_call
 from shardlab.tensor import traced
@@ -68,11 +70,14 @@ def call(name: str, args, kwargs):
 
 def original(name: str) -> Callable:
     """torch's own ``torch.nn.functional.<name>`` (also while it is patched)."""
-    import torch.nn.functional as F
+    if not _PATCH:
+        import shardlab.patch
 
-    from shardlab.patch import _ORIGINALS
+        _PATCH.append(shardlab.patch._ORIGINALS)
+    return _PATCH[0].get(name) or getattr(torch.nn.functional, name)
 
-    return _ORIGINALS.get(name) or getattr(F, name)
+
+_PATCH: list = []  # [shardlab.patch._ORIGINALS] (patch imports this module's users)
 
 
 def device_type(args, kwargs) -> str:

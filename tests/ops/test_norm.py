@@ -216,3 +216,33 @@ def test_statistics_exact_far_from_zero_and_without_the_buffers(ranks_for, world
     for worse, diff in ranks_for(world).run(_float32_far_from_zero):
         assert worse == []
         assert diff < 1e-5
+
+
+def test_layer_norm_on_whole_rows_raises_torchs_errors_on_every_rank(ranks_for):
+    """Whole rows (the normalized dims uncut), arguments torch refuses (a normalized_shape
+    that is not the trailing dims, an int, a weight of another shape): torch's error type
+    on every rank, one owning no rows too (never normalized over the wrong dims)."""
+
+    def body():
+        mesh = this_rank().mesh
+        x = torch.randn(2, 3, 4)
+        st = distribute(x, mesh, [Shard(1)], sizes=[3, 0])
+        bad = [((5,), None), ((3, 5), None), ((4,), torch.ones(3)), (7, None)]
+        out = []
+        for shape, w in bad:
+            try:
+                F.layer_norm(x, shape, w)
+                want = None
+            except (RuntimeError, TypeError) as e:
+                want = (type(e), str(e))
+            with shardlab.patched():
+                try:
+                    F.layer_norm(st, shape, w)
+                    out.append(("no error", shape))
+                except Exception as e:  # noqa: BLE001  (torch's type; the meta kernel's words)
+                    out.append((type(e) is want[0] and "normalized_shape" in str(e), str(e)))
+        return out
+
+    results = ranks_for(2).run(body)
+    assert results[0] == results[1], results  # the same error on every rank
+    assert [ok for ok, _ in results[0]] == [True] * 4, results

@@ -289,7 +289,15 @@ _META_CACHE: dict = {}
 _META_CACHE_SIZE = 4096
 
 
+_ATOMS = frozenset({int, bool, str, type(None), torch.dtype})  # keyed by type and value
+
+
 def _key(x):
+    t = type(x)
+    if t in _ATOMS:  # the common case first (sizes, dims, flags)
+        return (t, x)
+    if t is tuple or t is list:
+        return (t, *(_key(v) for v in x))
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
     if isinstance(x, (list, tuple)):
