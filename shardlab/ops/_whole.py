@@ -10,9 +10,10 @@ on the others (a strided dim, ``logits.view(-1, V)`` of a cut sequence, too)::
 Then each rank's block *is* the global tensor, and torch's own op on the blocks is the
 single-device call: torch's checks and errors (the same shapes on every rank, so the
 same error everywhere), its autocast, its strides, its exact means; no message. The
-windowed families (conv, pooling, padding, norms, interpolation), attention and
+windowed families (conv, pooling, padding, norms, interpolation), linear, attention and
 cross-entropy take this path before their sharded handler: halos, plans and meta checks
-cost tens of microseconds a call for nothing here.
+cost tens of microseconds a call for nothing here (layer_norm's own whole-rows path, one
+autograd Function, is cheaper than this one's two).
 
 The result is laid out like the first ShardTensor argument (its ``Shard`` dims hold one
 piece: the whole length), or Replicate on every mesh dim when its number of dims differs.
@@ -32,7 +33,7 @@ NAMES = frozenset(
     | {f"conv_transpose{n}d" for n in (1, 2, 3)}
     | {f"{kind}_pool{n}d" for kind in ("max", "avg") for n in (1, 2, 3)}
     | {f"adaptive_{kind}_pool{n}d" for kind in ("max", "avg") for n in (1, 2, 3)}
-    | {"linear", "pad", "interpolate", "batch_norm", "group_norm", "instance_norm", "layer_norm"}
+    | {"linear", "pad", "interpolate", "batch_norm", "group_norm", "instance_norm"}
     | {"scaled_dot_product_attention", "cross_entropy"}
 )
 

@@ -154,11 +154,11 @@ def _whole_moves(moves, args, kwargs) -> list:
     st = c.shard_tensor_cls()
     out = list(moves)
     for i, (a, m) in enumerate(zip((*args, *kwargs.values()), moves)):
-        if isinstance(m, ShardLayout) and m.is_whole():
-            if type(a) is st and a._layout.is_whole() and a.shape == m.global_shape:
-                out[i] = None
-            elif type(a) in (torch.Tensor, torch.nn.Parameter) and a.shape == m.global_shape:
-                out[i] = None
+        whole = type(a) in (torch.Tensor, torch.nn.Parameter) or (
+            type(a) is st and a._layout.is_whole()
+        )
+        if whole and isinstance(m, ShardLayout) and m.is_whole() and a.shape == m.global_shape:
+            out[i] = None
     return out
 
 
