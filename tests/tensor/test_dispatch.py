@@ -517,3 +517,45 @@ def test_layer_norm_backward_on_whole_rows(ranks_for, world):
 
     for res in ranks_for(world).run(body):
         assert all(all(r) for r in res), res
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fused_attention_with_features_cut_by_one_rank(ranks_for, world):
+    """The feature dim (or the sequence) cut only by a mesh dim of one rank is whole: the
+    fused kernel runs on the blocks, forward and backward equal one device, no message
+    (the logsumexp's layout once failed on a Shard of the feature dim)."""
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from shardlab.trace import trace
+
+        n = this_rank().world_size
+        mesh = this_rank().mesh if n == 1 else init_device_mesh("cpu", (n, 1))
+        gen = torch.Generator().manual_seed(12)
+        res = []
+        for places in ([Shard(3)], [Shard(2)]) if n == 1 else ([Shard(0), Shard(3)],):
+            sizes = None if n == 1 else [[3, 1], None]
+            q0, k0, v0 = (
+                torch.randn(4, 2, 6, 3, generator=gen, dtype=torch.float64) for _ in "qkv"
+            )
+            ref = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+            want = F.scaled_dot_product_attention(*ref, is_causal=True)
+            w = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+            (want * w).sum().backward()
+            st = [distribute(t, mesh, places, sizes).requires_grad_() for t in (q0, k0, v0)]
+            with trace() as t:
+                got = F.scaled_dot_product_attention(*st, is_causal=True)
+                (got * distribute(w, mesh, places, sizes)).sum().backward()
+            res.append(
+                torch.allclose(got.full_tensor(), want, atol=1e-12)
+                and all(
+                    torch.allclose(s.grad.full_tensor(), r.grad, atol=1e-12)
+                    for s, r in zip(st, ref)
+                )
+                and t.events == []
+            )
+        return res
+
+    for res in ranks_for(world).run(body):
+        assert all(res), res

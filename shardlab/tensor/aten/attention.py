@@ -14,7 +14,9 @@ A cut sequence is the ring's job (:mod:`shardlab.ops.attention`, under
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Shard
 
+from shardlab.layout import moves
 from shardlab.layout.elementwise import restrict, target_from
 from shardlab.layout.views import select_dims_layout
 
@@ -57,6 +59,10 @@ def _fused(func, args, kwargs):
     q = c.reduced(
         qkv[0] if isinstance(qkv[0], c.shard_tensor_cls()) else c.as_shard(qkv[0], mesh), cause
     )
+    places = q._layout.placements
+    one_rank = [m for m, p in enumerate(places) if isinstance(p, Shard) and p.dim >= 2]
+    if one_rank:  # S_q or D cut by mesh dims of one rank (whole): Replicate says the same
+        q = c.move(q, moves.replicated(q._layout, one_rank), cause)  # (no message)
     lay = q._layout  # (B, H, S_q, D): batch / heads cut, the rest whole
     b, h, sq = q.shape[:3]
     scores = target_from(lay, (b, h, sq, qkv[1].shape[2]), [False] * mesh.ndim)
