@@ -31,7 +31,7 @@ from shardlab.ops.registry import original, register
 
 __all__: list[str] = []
 
-_ROWS: dict = {}  # input layout -> rows only (no Partial, in_features uncut), or None
+_ROWS: dict = {}  # (input layout, out_features) -> the result layout, or False (not rows only)
 _SIZE = 4096
 
 
