@@ -120,6 +120,19 @@ def _vision(name: str):
             num_labels=5,
         )
         return tf.MobileViTForImageClassification(cfg), "cls"
+    if name == "mobilenet_v2":  # depthwise 3x3 convs (groups = channels), ReLU6, stride 2
+        cfg = tf.MobileNetV2Config(image_size=32, depth_multiplier=0.25, num_labels=5)
+        return tf.MobileNetV2ForImageClassification(cfg), "cls"
+    if name == "efficientnet":  # squeeze-excite: a global mean of the cut image scales it
+        cfg = tf.EfficientNetConfig(
+            image_size=32, width_coefficient=0.1, depth_coefficient=0.1, hidden_dim=128,
+            num_labels=5,
+        )  # fmt: skip
+        model = tf.EfficientNetForImageClassification(cfg)
+        for m in model.modules():  # transformers draws batch norm scales ~0.02: 1e-38 logits
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.reset_parameters()  # torch's default (scale 1), a signal that survives
+        return model, "cls"
     raise KeyError(name)
 
 
@@ -173,6 +186,43 @@ def seq2seq(name: str):
 
 
 SEQ2SEQ = ["t5", "bart"]
+
+
+def eager_attention(name: str = "gemma2"):
+    """A decoder whose attention is transformers' own eager code, not SDPA: Gemma 2 (its
+    scores capped by a tanh, a sliding window on every other layer, a softmax taken in
+    float32 whatever the model's dtype)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=64,
+        sliding_window=4,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    return _no_randomness(tf.Gemma2ForCausalLM(cfg))
+
+
+def audio(name: str = "wav2vec2"):
+    """A speech model on the raw waveform (B, T), T cut over the ranks: strided conv1d
+    feature extraction with group norm, a grouped conv1d position embedding, then
+    attention; SpecAugment's random masks off (they are random draws)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, num_labels=3, classifier_proj_size=8,
+        mask_time_prob=0.0, layerdrop=0.0,
+    )  # fmt: skip
+    model = tf.Wav2Vec2ForSequenceClassification(cfg)
+    model.config._attn_implementation = "sdpa"
+    return _no_randomness(model)
+
+
+WAVEFORM = (2, 400)  # raw audio samples (B, T); T is cut over the ranks
 
 
 def moe(name: str = "mixtral"):
@@ -241,6 +291,7 @@ def text(name: str):
 TEXT = ["bert", "roberta", "opt", "bloom", "falcon", "gpt2"]
 VISION = ["resnet", "convnext", "vit", "swin", "segformer", "mobilevit", "beit", "siglip"]
 DECODERS = ["llama", "qwen2"]
+CONV_NETS = ["mobilenet_v2", "efficientnet"]  # more vision models, tested on 3 ranks
 
 
 def uneven(n: int, parts: int) -> list[int]:
