@@ -7,8 +7,10 @@ For each op reaching ``ShardTensor.__torch_dispatch__``:
    bad arguments raise torch's error on every rank before anything else happens;
 1. a rule registered for the op (:mod:`shardlab.tensor.aten`), or the element-wise rule
    for ops torch tags ``pointwise``;
-2. torch's decomposition of the op into simpler ones (each routed here again);
-3. the fallback: the op on whole tensors (:mod:`.aten.fallback`), labelled
+2. no rule, and every rank holds every argument whole (a 1-rank mesh, or nothing cut
+   across ranks): torch's op on the blocks, no message (:mod:`.aten.whole`);
+3. torch's decomposition of the op into simpler ones (each routed here again);
+4. the fallback: the op on whole tensors (:mod:`.aten.fallback`), labelled
    ``whole-tensor fallback for <op>`` in the tracer.
 
 A rule that cannot describe its result for the layout it got moves its input to the
@@ -30,6 +32,7 @@ from shardlab.tensor.aten import HANDLERS, register
 from shardlab.tensor.aten import _common as c
 from shardlab.tensor.aten.fallback import replicate_and_run
 from shardlab.tensor.aten.pointwise import is_pointwise, pointwise, replay
+from shardlab.tensor.aten.whole import on_blocks
 
 __all__ = ["dispatch", "register"]
 
@@ -64,7 +67,9 @@ def _decide(key, func, args, kwargs):
     args, kwargs = c.adopt((args, kwargs))
     meta = None if func in _NO_META else c.meta_call(func, args, kwargs)  # torch's errors
     ran = []
-    written = _written_args(func)
+    # the arguments it writes (an optional one passed as None is not written: batch
+    # norm's running stats when there are none; the key tells None from a tensor)
+    written = [i for i in _written_args(func) if i >= len(args) or args[i] is not None]
     before = getattr(args[0], "_layout", None) if written == [0] and args else None
     raw = _run(func, args, kwargs, meta, ran)
     out = _with_strides(raw, meta, (args, kwargs))
@@ -121,7 +126,7 @@ def _anchors(func, args, kwargs) -> tuple:
 def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
     """Keep the decision just taken, when it was a local call (see :mod:`.decisions`)."""
     st = c.shard_tensor_cls()
-    many = type(out) is tuple and type(raw) is tuple and len(out) > 0
+    many = isinstance(out, tuple) and isinstance(raw, tuple) and len(out) > 0  # or return_types
     outs = out if many else (out,)
     if not all(isinstance(o, st) and not getattr(o, "_writeback", None) for o in outs):
         return
@@ -221,6 +226,9 @@ def _run(func, args, kwargs, meta, ran):
             ran.append(handler)
             return out
         ran.append(NotImplemented)  # a rule that declined may have sent (c.reduced) first
+    out = on_blocks(func, args, kwargs, meta)  # no rule, every argument whole
+    if out is not None:
+        return out
     decomposed = _compat.decomposition(func)
     if decomposed is not None:
         out = decomposed(*args, **kwargs)
