@@ -129,8 +129,20 @@ def signature(func, args, kwargs):
                     if layout is None:
                         return None  # a traced stand-in: the full path breaks the graph
                     key.append((st, id(a._spec.mesh), layout, a.stride(), a.dtype, a.requires_grad))
-                elif type(a) is list and _all_ints(a):  # sizes, dims (view, sum, permute)
-                    key.append((list, _INTS, *a))
+                elif type(a) is list:
+                    if _all_ints(a):  # sizes, dims (view, sum, permute)
+                        key.append((list, _INTS, *a))
+                        continue
+                    items = [list]  # tensors (cat's): as _sig has them, inline
+                    for v in a:
+                        if type(v) is st and v._layout is not None:
+                            items.append(
+                                (st, id(v._spec.mesh), v._layout, v.stride(), v.dtype,
+                                 v.requires_grad)
+                            )  # fmt: skip
+                        else:
+                            items.append(_sig(v, st))
+                    key.append(tuple(items))
                 else:
                     key.append(_sig(a, st))
             if kwargs:
@@ -172,7 +184,7 @@ def _sig(a, st):
             raise _Uncacheable  # a DTensor to adopt, another subclass: the full path
         return (torch.Tensor, a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
     if t is list or t is tuple:
-        return (t, *(_sig(v, st) for v in a))
+        return (t, *[_sig(v, st) for v in a])  # (a list comprehension: no generator frame)
     if (t is float or t is complex) and a != a:
         return (t, "nan", str(a))  # nan != nan: it would never hit
     if t in SCALARS:

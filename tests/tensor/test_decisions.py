@@ -165,6 +165,18 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
         seen["int list"] = len(decisions._TABLE) == before + 3 and torch.allclose(
             out.full_tensor(), g.sum([0, 2])
         )
+        before = len(decisions._TABLE)  # a list of tensors (cat's): each one's signature
+        torch.ops.aten.cat.default([base, base], 2)
+        torch.ops.aten.cat.default([base, base], 2)
+        seen["tensor list repeat"] = len(decisions._TABLE) == before + 1
+        cat = torch.ops.aten.cat.default
+        key = decisions.signature(cat, ([base, base], 2), {})
+        for name in ("sizes", "dtype", "placement", "strides", "requires_grad"):
+            other = decisions.signature(cat, ([base, variants[name]], 2), {})
+            out = cat([base, variants[name]], 2)
+            seen[f"tensor list {name}"] = other != key and torch.equal(
+                out.full_tensor(), torch.cat([g, variants[name].full_tensor()], 2)
+            )
         return seen
 
     for seen in ranks_for(2).run(body):
