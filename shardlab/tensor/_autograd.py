@@ -1,0 +1,80 @@
+"""The autograd Functions between a rank's block and its ShardTensor: ``from_local`` and
+``to_local`` (a view each way; the gradient laid out as the forward's), ``redistribute``
+(its backward moves the gradient back to the source layout)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shardlab.layout import ShardLayout
+from shardlab.tensor import comm
+from shardlab.tensor.api import ShardTensor, _grad_layout
+from shardlab.tensor.recompute import fenced
+
+__all__: list = []
+
+
+class _FromLocalAlone(torch.autograd.Function):
+    """:class:`_FromLocal` on a mesh of one rank: no message can be sent, so no fence."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, layout, stride):
+        ctx.mesh, ctx.sharding = mesh, layout
+        return ShardTensor._wrap(local.view_as(local), mesh, layout, stride=stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _local_of(grad, _grad_layout(ctx.sharding), ctx.mesh), None, None, None
+
+
+@fenced
+class _FromLocal(_FromLocalAlone):
+    pass
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, st, grad_layout):
+        ctx.mesh, ctx.sharding = st.device_mesh, grad_layout
+        return st._local_tensor.view_as(st._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ShardTensor._wrap(grad, ctx.mesh, ctx.sharding), None
+
+
+@fenced
+class _Redistribute(torch.autograd.Function):
+    """``_Redistribute.apply(st, layout, cause="redistribute")``: differentiable; ``cause``
+    labels the messages (its backward's: "redistribute backward")."""
+
+    @staticmethod
+    def forward(ctx, st, dst, cause="redistribute"):
+        ctx.mesh, ctx.src = st.device_mesh, st._layout
+        local = comm.redistribute_local(st._local_tensor, st._layout, dst, st.device_mesh, cause)
+        return ShardTensor._wrap(local, st.device_mesh, dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        target = _grad_layout(ctx.src)
+        return ShardTensor._wrap(_local_of(grad, target, ctx.mesh), ctx.mesh, target), None, None
+
+
+def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
+    """This rank's block of ``grad`` in ``layout`` (redistributing if needed)."""
+    if isinstance(grad, ShardTensor):
+        return comm.redistribute_local(
+            grad._local_tensor, grad._layout, layout, mesh, cause="redistribute backward"
+        )
+    if isinstance(grad, DTensor):  # e.g. from DTensor's own ops: chunk sizes
+        from shardlab.tensor.aten._common import layout_of_dtensor
+
+        return comm.redistribute_local(
+            grad._local_tensor,
+            layout_of_dtensor(grad),
+            layout,
+            mesh,
+            cause="redistribute backward",
+        )
+    return grad
