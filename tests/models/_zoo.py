@@ -136,6 +136,13 @@ def _vision(name: str):
     raise KeyError(name)
 
 
+# the sizes of every small decoder here (RoPE, GQA: 4 query heads, 2 key/value heads)
+SMALL_DECODER = dict(
+    vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+
 def decoder(name: str, **sizes):
     """A causal LM (RoPE, GQA, RMSNorm, SDPA attention); ``sizes`` override the config's."""
     import transformers as tf
@@ -147,13 +154,7 @@ def decoder(name: str, **sizes):
     }[name]
     cfg = config(
         **{
-            "vocab_size": VOCAB,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 64,
+            **SMALL_DECODER,
             **sizes,
         }
     )
@@ -195,11 +196,8 @@ def eager_attention(name: str = "gemma2"):
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=64,
-        sliding_window=4,
-    )  # fmt: skip
+    sizes = {**SMALL_DECODER, "num_hidden_layers": 2}  # a sliding layer and a full one
+    cfg = tf.Gemma2Config(**sizes, head_dim=4, sliding_window=4)
     cfg._attn_implementation = "eager"
     return _no_randomness(tf.Gemma2ForCausalLM(cfg))
 
@@ -231,11 +229,7 @@ def moe(name: str = "mixtral"):
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
+    cfg = tf.MixtralConfig(**SMALL_DECODER, num_local_experts=4, num_experts_per_tok=2)
     cfg._attn_implementation = "sdpa"
     return _no_randomness(tf.MixtralForCausalLM(cfg))
 

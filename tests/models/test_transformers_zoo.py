@@ -137,28 +137,34 @@ def test_decoders_sharded_along_the_sequence_with_labels(ranks_for, name, world)
         assert res["params"] == [] and res["sequence"], res
 
 
-def _moe_body():
+def _lm_step_equals_one_device(model, logits_tol, loss_rtol, params_tol):
+    """One step of a causal LM (its own loss) with ids and labels cut along the sequence,
+    against the same step on one device."""
     import shardlab
     from shardlab import distribute, this_rank
 
     mesh = this_rank().mesh
-    model = _zoo.moe()
     ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(3))
     ref = model(input_ids=ids, labels=ids)
     ref.loss.backward()
     want = _grads(model)
     model.zero_grad(set_to_none=True)
-    sizes = _zoo.uneven(_zoo.TOKENS[1], mesh.size())
     with shardlab.patched():
-        sid = distribute(ids, mesh, [Shard(1)], sizes)
+        sid = distribute(ids, mesh, [Shard(1)], _zoo.uneven(_zoo.TOKENS[1], mesh.size()))
         out = model(input_ids=sid, labels=sid)
         out.loss.backward()
     got = _grads(model)
+    rtol, atol = logits_tol
     return {
-        "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=1e-5, atol=1e-6),
-        "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-5),
-        "params": _bad_params(want, got, rtol=1e-4, atol=1e-6),
+        "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=rtol, atol=atol),
+        "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=loss_rtol),
+        "params": _bad_params(want, got, rtol=params_tol[0], atol=params_tol[1]),
+        "sequence": out.logits.sharding.placements == (Shard(1),),
     }
+
+
+def _moe_body():
+    return _lm_step_equals_one_device(_zoo.moe(), (1e-5, 1e-6), 1e-5, (1e-4, 1e-6))
 
 
 def test_mixture_of_experts_decoder_float32(ranks_for):
@@ -219,29 +225,10 @@ def test_more_conv_nets_sharded_along_h_equal_one_device(ranks_for, name):
 
 
 def _eager_attention_body():
-    import shardlab
-    from shardlab import distribute, this_rank
-
-    mesh = this_rank().mesh
-    model = _zoo.eager_attention().double()
-    ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(3))
-    ref = model(input_ids=ids, labels=ids)
-    ref.loss.backward()
-    want = _grads(model)
-    model.zero_grad(set_to_none=True)
-    with shardlab.patched():
-        sid = distribute(ids, mesh, [Shard(1)], _zoo.uneven(_zoo.TOKENS[1], mesh.size()))
-        out = model(input_ids=sid, labels=sid)
-        out.loss.backward()
-    got = _grads(model)
     # the model takes its softmax in float32 (transformers' eager attention): a sum over
     # cut keys adds in another order, so float32 tolerance on a float64 model
-    return {
-        "logits": torch.allclose(out.logits.full_tensor(), ref.logits, rtol=1e-6, atol=1e-6),
-        "loss": torch.allclose(out.loss.full_tensor(), ref.loss, rtol=1e-6),
-        "params": _bad_params(want, got, rtol=1e-4, atol=1e-6),
-        "sequence": out.logits.sharding.placements == (Shard(1),),
-    }
+    model = _zoo.eager_attention().double()
+    return _lm_step_equals_one_device(model, (1e-6, 1e-6), 1e-6, (1e-4, 1e-6))
 
 
 def test_decoder_with_eager_attention_capped_scores_and_a_sliding_window(ranks_for):
