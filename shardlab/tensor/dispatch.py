@@ -32,7 +32,7 @@ from shardlab.tensor.aten import HANDLERS, register
 from shardlab.tensor.aten import _common as c
 from shardlab.tensor.aten.fallback import replicate_and_run
 from shardlab.tensor.aten.pointwise import is_pointwise, pointwise, replay
-from shardlab.tensor.aten.whole import on_blocks
+from shardlab.tensor.aten.whole import on_blocks, whole_arguments
 
 __all__ = ["dispatch", "register"]
 
@@ -180,30 +180,18 @@ def _on_whole_blocks(func, args, kwargs, outs, many):
     call (a ``select`` of a cut dim on one rank, a ``cat`` of a lifted Replicate tensor
     and a Shard one). Not for random ops (their rules define their own draws), nor for
     ops that read the block's strides (:data:`_STRIDED_READS`)."""
-    st = c.shard_tensor_cls()
     if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
         return None
     if func.overloadpacket in _STRIDED_READS:
         return None
     if not all(o._layout.is_whole() for o in outs):
         return None
-    moves, mesh = [], None
-    for a in (*args, *kwargs.values()):
-        if type(a) is list and a and all(type(t) is st for t in a):
-            sts, move = a, decisions.BLOCKS
-        else:
-            sts, move = ((a,) if type(a) is st else ()), None
-        for t in sts:
-            if not t._layout.is_whole() or (mesh is not None and t.device_mesh is not mesh):
-                return None
-            mesh = t.device_mesh
-        if move is None and type(a) in (list, tuple) and c.shards_in(a):
-            return None  # ShardTensors mixed with other things in a list
-        moves.append(move)
-    if mesh is None:
+    scanned = whole_arguments(args, kwargs)
+    if scanned is None:
         return None
+    moves, first, _ = scanned
     layouts = tuple(o._layout for o in outs)
-    return moves, mesh, layouts if many else layouts[0], "", None
+    return moves, first.device_mesh, layouts if many else layouts[0], "", None
 
 
 _WRITTEN: dict = {}

@@ -25,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.layout import ShardLayout
 from shardlab.tensor import decisions
 from shardlab.tensor.aten import _common as c
 
-__all__ = ["on_blocks"]
+__all__ = ["on_blocks", "whole_arguments"]
 
 _LAYOUTS: dict = {}  # (layout, shape) -> the result's layout
 _SIZE = 4096
@@ -45,36 +45,11 @@ def on_blocks(func, args, kwargs, meta):
     metas = meta if isinstance(meta, (list, tuple)) else (meta,)
     if not metas or not all(isinstance(m, torch.Tensor) for m in metas):
         return None
-    st = c.shard_tensor_cls()
-    first, moves, whole = None, [], []
-    for a in (*args, *kwargs.values()):
-        if type(a) is list and a and any(isinstance(t, torch.Tensor) for t in a):
-            if not all(type(t) is st for t in a):
-                return None
-            sts, move = a, decisions.BLOCKS
-        elif isinstance(a, torch.Tensor):
-            if type(a) is not st:
-                if type(a) not in _PLAIN:
-                    return None  # another subclass (a plain DTensor is adopted before)
-                sts, move = (), None
-            else:
-                sts, move = (a,), None
-        elif type(a) is tuple and any(isinstance(t, torch.Tensor) for t in a):
-            return None
-        else:
-            sts, move = (), None
-        for t in sts:
-            if not t._layout.is_whole():
-                return None
-            if first is not None and t.device_mesh is not first.device_mesh:
-                if t.device_mesh != first.device_mesh:  # an equal mesh (a lifted parameter's)
-                    return None
-            if first is None:
-                first = t
-            whole.append(t._layout)
-        moves.append(move)
-    if first is None:
+    scanned = whole_arguments(args, kwargs)
+    if scanned is None:
         return None
+    moves, first, whole = scanned
+    st = c.shard_tensor_cls()
 
     def block(a, move):
         if move is decisions.BLOCKS:
@@ -99,6 +74,43 @@ def on_blocks(func, args, kwargs, meta):
     out = wrapped if many else wrapped[0]
     decisions.decided(wrapped[0], func, moves, mesh, layouts if many else layouts[0])
     return out
+
+
+def whole_arguments(args, kwargs):
+    """``(moves, first, layouts)`` when every ShardTensor argument (alone or in a list of
+    them, cat's) is whole and all are on one mesh: a move per argument (None, or
+    :data:`~shardlab.tensor.decisions.BLOCKS` for a list), the first ShardTensor, their
+    layouts; else None (also for another tensor subclass, or a list mixing ShardTensors
+    with other things). Plain tensors, alone or in lists, are taken as they are."""
+    st = c.shard_tensor_cls()
+    first, moves, whole = None, [], []
+    for a in (*args, *kwargs.values()):
+        if type(a) in (list, tuple) and any(isinstance(t, torch.Tensor) for t in a):
+            if type(a) is list and all(type(t) is st for t in a):
+                sts, move = a, decisions.BLOCKS  # cat's
+            elif any(type(t) is st or isinstance(t, DTensor) for t in a):
+                return None  # ShardTensors mixed with other things (index's [None, idx])
+            else:
+                sts, move = (), None  # plain tensors (index's plain indices): as they are
+        elif isinstance(a, torch.Tensor):
+            if type(a) is not st and type(a) not in _PLAIN:
+                return None  # another subclass (a plain DTensor is adopted before)
+            sts, move = ((a,) if type(a) is st else ()), None
+        else:
+            sts, move = (), None
+        for t in sts:
+            if not t._layout.is_whole():
+                return None
+            if first is not None and t.device_mesh is not first.device_mesh:
+                if t.device_mesh != first.device_mesh:  # an equal mesh (a lifted parameter's)
+                    return None
+            if first is None:
+                first = t
+            whole.append(t._layout)
+        moves.append(move)
+    if first is None:
+        return None
+    return moves, first, whole
 
 
 def _layout(whole: list, shape: tuple) -> ShardLayout:
