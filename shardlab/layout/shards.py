@@ -163,7 +163,7 @@ class ShardLayout:
         return h
 
     def __getstate__(self) -> dict:  # the cached hash stays in its process
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_whole")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -328,11 +328,15 @@ class ShardLayout:
         """True if every rank holds all of the tensor, in its order: no mesh dim of more
         than one rank cuts it and nothing is Partial (a 1-rank mesh; Shard only on mesh
         dims of one rank, Replicate on the others). Torch's own op on such blocks is the
-        single-device op."""
-        return all(
-            isinstance(p, Replicate) or (isinstance(p, Shard) and n == 1)
-            for p, n in zip(self.placements, self.mesh_shape)
-        )
+        single-device op. Computed once per layout (every patched call asks)."""
+        hit = self.__dict__.get("_whole")
+        if hit is None:
+            hit = all(
+                isinstance(p, Replicate) or (isinstance(p, Shard) and n == 1)
+                for p, n in zip(self.placements, self.mesh_shape)
+            )
+            object.__setattr__(self, "_whole", hit)
+        return hit
 
     def is_block(self, tensor_dim: int | None = None) -> bool:
         """True if ``tensor_dim`` (default: every dim) is cut into consecutive pieces."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["NAMES", "is_whole", "whole_call"]
+__all__ = ["NAMES", "whole_call"]
 
 NAMES = frozenset(
     {f"conv{n}d" for n in (1, 2, 3)}
@@ -57,20 +57,8 @@ def _loss_rows(layout, shape):
 
 _ONLY_IF = {"scaled_dot_product_attention": _no_dropout}
 _RESULT = {"cross_entropy": _loss_rows}  # a result whose dims are not the input's
-_WHOLE: dict = {}  # ShardLayout -> whole on every rank (bool)
 _OUT: dict = {}  # (input layout, output shape) -> the output's layout
 _SIZE = 4096
-
-
-def is_whole(layout) -> bool:
-    """:meth:`ShardLayout.is_whole`, kept per layout (a call costs a loop)."""
-    hit = _WHOLE.get(layout)
-    if hit is None:
-        hit = layout.is_whole()
-        if len(_WHOLE) >= _SIZE:
-            _WHOLE.clear()
-        _WHOLE[layout] = hit
-    return hit
 
 
 def out_layout(layout, shape: tuple, name: str = ""):
@@ -100,8 +88,9 @@ def whole_call(name, original, args, kwargs):
     """``original(*args, **kwargs)`` (torch's ``F.<name>``) on the blocks when every
     ShardTensor argument is whole (one mesh, no other distributed argument, no list of
     tensors), its tensor results wrapped; else NotImplemented (the sharded handler)."""
-    if args and not _WHOLE.get(getattr(args[0], "_layout", None), True):
-        return NotImplemented  # the common sharded call, seen before: one lookup
+    layout = getattr(args[0], "_layout", None) if args else None
+    if layout is not None and not layout.is_whole():
+        return NotImplemented  # the common sharded call: one cached answer
     from shardlab.tensor.api import ShardTensor, from_layout
 
     only_if = _ONLY_IF.get(name)
@@ -112,7 +101,7 @@ def whole_call(name, original, args, kwargs):
         if isinstance(a, DTensor):
             if (
                 type(a) is not ShardTensor
-                or not is_whole(a._layout)
+                or not a._layout.is_whole()
                 or (first is not None and a.device_mesh is not first.device_mesh)
                 or getattr(a, "_whole_to_local", False)
             ):
