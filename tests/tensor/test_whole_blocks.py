@@ -135,3 +135,62 @@ def test_cut_tensors_still_take_the_usual_path(ranks_for):
         return torch.allclose(y.full_tensor(), want, rtol=1e-12, atol=1e-12), len(t.events) > 0
 
     assert ranks_for(2).run(body) == [(True, True)] * 2
+
+
+def _unpatched_cnn_body(mesh_shape, places):
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from shardlab.tensor import dispatch
+
+        mesh = init_device_mesh("cpu", mesh_shape)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2), torch.nn.Conv2d(4, 2, 3), torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(), torch.nn.Linear(2, 3),
+        ).double()  # fmt: skip
+        g = torch.randn(2, 3, 9, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x_ref = g.clone().requires_grad_()
+        model(x_ref).square().sum().backward()
+        want = [p.grad.clone() for p in model.parameters()]
+        decided, full = [], dispatch._decide
+
+        def counting(key, func, args, kwargs):
+            decided.append(str(func))
+            return full(key, func, args, kwargs)
+
+        dispatch._decide = counting
+        runs = []
+        try:
+            for _ in range(3):  # not patched: every op is aten's
+                model.zero_grad()
+                decided.clear()
+                x = g.clone().requires_grad_()
+                with shardlab.trace() as t:
+                    model(distribute(x, mesh, places)).square().sum().backward()
+                got = [x.grad, *(p.grad for p in model.parameters())]
+                exact = all(
+                    torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+                    for a, b in zip(got, [x_ref.grad, *want])
+                )
+                runs.append((exact, len(t.events), len(decided)))
+        finally:
+            dispatch._decide = full
+        return runs
+
+    return body
+
+
+@pytest.mark.parametrize(
+    "world, mesh_shape, places",
+    [(1, (1,), [Shard(2)]), (2, (2, 1), [Replicate(), Shard(3)])],
+)
+def test_an_unpatched_conv_stack_on_whole_blocks(ranks_for, world, mesh_shape, places):
+    """nn.Conv2d, BatchNorm2d, ReLU, MaxPool2d, AdaptiveAvgPool2d, Linear without
+    ``shardlab.patched()``: every op is aten's. Equal to torch forward and backward, no
+    message, and from the second step on nothing is decided in full."""
+    for runs in ranks_for(world).run(_unpatched_cnn_body(mesh_shape, places)):
+        assert [r[0] for r in runs] == [True] * 3, runs
+        assert [r[1] for r in runs] == [0, 0, 0], runs
+        assert runs[0][2] > 0 and [r[2] for r in runs[1:]] == [0, 0], runs
