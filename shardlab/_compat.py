@@ -50,14 +50,16 @@ _SPECS: dict = {}
 
 def dtensor_spec(mesh, placements, shape, stride, dtype):
     """DTensor's spec of a global tensor; one shared (immutable) object per description."""
-    key = (mesh, tuple(placements), tuple(shape), tuple(stride), dtype)
+    placements = placements if isinstance(placements, tuple) else tuple(placements)
+    key = (id(mesh), placements, tuple(shape), tuple(stride), dtype)
     spec = _SPECS.get(key)
-    if spec is None:
+    if spec is None or spec.mesh is not mesh:  # this mesh object (an equal one is not it:
+        # torch.compile tells meshes apart by identity)
         import torch
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
         meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
-        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+        spec = DTensorSpec(mesh, placements, tensor_meta=meta)
         if len(_SPECS) > 8192:
             _SPECS.clear()
         _SPECS[key] = spec

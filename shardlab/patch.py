@@ -26,6 +26,8 @@ import threading
 import torch.nn.functional as F
 import wrapt
 
+from shardlab.tensor import traced
+
 __all__ = ["PATCHED_NAMES", "disable", "enable", "is_enabled", "patched"]
 
 PATCHED_NAMES = (
@@ -57,14 +59,72 @@ def _has_shard_tensor(args, kwargs) -> bool:
 
 
 def _router(name: str):
+    @traced.entry  # eager code: dynamo traces _traced_router instead, never this frame
     def route(wrapped, instance, args, kwargs):
         if not _has_shard_tensor(args, kwargs):
             return wrapped(*args, **kwargs)
         from shardlab.ops.registry import call
 
-        return call(name, args, kwargs)  # under torch.compile: eagerly (a graph break)
+        return call(name, args, kwargs)
 
     return route
+
+
+def _one_rank(args, kwargs) -> bool:
+    """Every distributed argument lives on a mesh of one rank (it is whole there; dynamo
+    can read a mesh's size, not a ShardTensor's layout)."""
+    st = _SHARD_TENSOR[0]
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, st) and a.device_mesh.size() != 1:
+            return False
+    return True
+
+
+def _no_random(name: str, args, kwargs) -> bool:
+    """No dropout drawn by this call (shardlab draws its own masks, the same on any mesh:
+    torch's generator would give other values)."""
+    if name == "dropout":
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        training = args[2] if len(args) > 2 else kwargs.get("training", True)
+        return p == 0 or not training
+    if name == "scaled_dot_product_attention":
+        return (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) == 0
+    return name != "multi_head_attention_forward"
+
+
+def _traced_router(name: str, original):
+    """What dynamo traces for the patched ``F.<name>`` (wrapt's C proxy it cannot): torch's
+    own function for plain tensors, and for ShardTensors on a mesh of one rank where the
+    call draws no dropout (aten ops on the blocks: in the graph); the sharded
+    implementation otherwise, eagerly (a graph break)."""
+    from shardlab.ops.registry import call
+
+    def routed(*args, **kwargs):
+        if not _has_shard_tensor(args, kwargs):
+            return original(*args, **kwargs)
+        if _one_rank(args, kwargs) and _no_random(name, args, kwargs):
+            return original(*args, **kwargs)
+        return call(name, args, kwargs)
+
+    return routed
+
+
+def _wrapper(name: str, original):
+    """``F.<name>`` patched: a wrapt proxy of torch's function, which dynamo sees as the
+    plain function :func:`_traced_router` (torch's marker for wrappers it should trace
+    through, as ``torch.jit._script_if_tracing`` sets it); compared by identity, so that
+    dynamo never takes it for torch's own function."""
+    cls = type(
+        f"Patched_{name}",
+        (wrapt.FunctionWrapper,),
+        {
+            "__script_if_tracing_wrapper": True,
+            "__original_fn": staticmethod(_traced_router(name, original)),
+            "__eq__": lambda self, other: self is other,
+            "__hash__": lambda self: id(self),
+        },
+    )
+    return cls(original, _router(name))
 
 
 def enable() -> None:
@@ -80,7 +140,7 @@ def enable() -> None:
                 continue
             original = getattr(F, name)
             _ORIGINALS[name] = original
-            setattr(F, name, wrapt.FunctionWrapper(original, _router(name)))
+            setattr(F, name, _wrapper(name, original))
         _hook_natten()
 
 

@@ -163,7 +163,7 @@ class ShardLayout:
         return h
 
     def __getstate__(self) -> dict:  # the cached hash stays in its process
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_whole")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_whole", "_places")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Shard
 
 from shardlab.layout._windows import blocks_of
+from shardlab.tensor import collectives, traced
 from shardlab.tensor.recompute import fenced
 from shardlab.trace import label
 
@@ -105,7 +106,8 @@ def meta_like(t):
     if hit is None:
         if len(_META_LIKE) >= _META_SIZE:
             del _META_LIKE[next(iter(_META_LIKE))]
-        _META_LIKE[key] = hit = torch.empty(key[0], dtype=key[1], device="meta")
+        with traced.outside_modes():  # a meta tensor, also while torch.compile traces
+            _META_LIKE[key] = hit = torch.empty(key[0], dtype=key[1], device="meta")
     return hit
 
 
@@ -113,8 +115,9 @@ _META_LIKE: dict = {}
 
 
 def _meta_run(fn, input, args, kwargs):
-    meta = torch.empty(tuple(input.shape), dtype=input.dtype, device="meta")
-    return fn(meta, *args, **kwargs)
+    with traced.outside_modes():  # meta tensors, also while torch.compile traces (kept)
+        meta = torch.empty(tuple(input.shape), dtype=input.dtype, device="meta")
+        return fn(meta, *args, **kwargs)
 
 
 def spatial_mesh_dims(layout, first: int = 2) -> dict[int, int]:
@@ -223,7 +226,7 @@ def _all_reduce(t, groups, cause, phase):
     t = t.contiguous().clone()
     with label(cause, phase):
         for g in groups:
-            dist.all_reduce(t, group=g)
+            collectives.all_reduce_(t, group=g)
     return t
 
 

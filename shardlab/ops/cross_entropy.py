@@ -61,7 +61,7 @@ import torch.distributed as dist
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import groups_over
 from shardlab.ops.registry import register
-from shardlab.tensor import comm
+from shardlab.tensor import collectives, comm
 from shardlab.tensor.api import from_layout
 from shardlab.tensor.aten._common import replicate_layout
 from shardlab.tensor.recompute import fenced, kept
@@ -270,7 +270,7 @@ class _CrossEntropy(torch.autograd.Function):
 # -- helpers ----------------------------------------------------------------
 def _all_reduce(t, group, op) -> None:
     if group is not None and t.numel():  # ranks of a group hold the same rows: all skip
-        dist.all_reduce(t, op=op, group=group)
+        collectives.all_reduce_(t, op, group)
 
 
 def _view_on(w, x, cd):

@@ -84,6 +84,8 @@ class ShardTensor(DTensor):
     """
 
     _layout: ShardLayout
+    # torch.compile: a ShardTensor's global shape is part of its layout, never symbolic
+    _dynamo_static_indices = range(64)
 
     @staticmethod
     def _wrap(
@@ -93,7 +95,7 @@ class ShardTensor(DTensor):
         must be the same on every rank: composite ops branch on it."""
         spec = _compat.dtensor_spec(
             mesh,
-            layout.placements,
+            traced.placements(layout),
             layout.global_shape,
             _contiguous_stride(layout.global_shape) if stride is None else tuple(stride),
             local.dtype,
@@ -107,8 +109,18 @@ class ShardTensor(DTensor):
         that had to reduce a Partial value."""
         self._layout = layout
         self._spec = _compat.dtensor_spec(
-            self.device_mesh, layout.placements, layout.global_shape, self.stride(), self.dtype
+            self.device_mesh,
+            traced.placements(layout),
+            layout.global_shape,
+            self.stride(),
+            self.dtype,
         )
+
+    @property
+    def placements(self) -> tuple:
+        """DTensor's placements (a plain tuple: the spec's own also hold the layout, which
+        makes them unequal for other shard sizes, see ``traced.Placements``)."""
+        return tuple(self._spec.placements)
 
     # -- torch.compile (shardlab.tensor.traced): torch's DTensor format --------
     def __tensor_flatten__(self):
@@ -119,8 +131,39 @@ class ShardTensor(DTensor):
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
         d = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
         out = ShardTensor(d._local_tensor, d._spec, requires_grad=d.requires_grad)
-        out._layout = None  # a traced stand-in: its ops run eagerly on the real tensor
+        out._layout = traced.layout_of(flatten_spec)
         return out
+
+    def _stable_hash_for_caching(self) -> str:
+        # AOTAutograd's on-disk cache: DTensor's key (mesh, placements, global shape) is
+        # the same on every rank, so a rank would load a graph built for another rank's
+        # block; the key also holds the layout's sizes and this rank's block
+        import hashlib
+
+        local, base = self._local_tensor, getattr(DTensor, "_stable_hash_for_caching", None)
+        data = (
+            base(self) if base is not None else repr(self._spec),
+            repr(self._layout),
+            comm.my_coord(self.device_mesh),
+            tuple(local.shape),
+            local.stride(),
+        )
+        return hashlib.blake2b(repr(data).encode(), digest_size=16).hexdigest()
+
+    def __coerce_tangent_metadata__(self):
+        # AOTAutograd: a gradient may not be Partial (DTensor's rule, with our sizes)
+        if self._layout is None or not any(isinstance(p, Partial) for p in self._layout.placements):
+            return self
+        return _Redistribute.apply(self, _grad_layout(self._layout), "tangent")
+
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
+        # AOTAutograd: a runtime gradient in the layout the compiled backward was built for
+        want = traced.layout_of(flatten_spec)
+        if expected_type is not None or want is None or self._layout is None:
+            return None
+        if want == self._layout:
+            return self
+        return _Redistribute.apply(self, want, "tangent")
 
     # -- torch.distributed.checkpoint: the real boxes (shardlab.tensor.checkpoint) ----
     def __create_write_items__(self, fqn: str, object):
@@ -316,8 +359,11 @@ class ShardTensor(DTensor):
     @classmethod
     @traced.entry
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if traced.tracing() is not None:  # under torch.compile: eagerly, a graph break
+        if traced.tracing() is not None:  # an eager region under torch.compile
             return _EAGER_TF[0](cls, func, types, args, kwargs)
+        if traced.COMPILED and torch.compiler.is_compiling() and func not in _OWN_CALLS:
+            if traced.one_rank(args, kwargs):  # traced: nothing to lift (see traced.py)
+                return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
         if func not in _OWN_CALLS and (not kwargs or _scalar_kwargs(kwargs)):
             # the common case in one pass: ShardTensors of one mesh (no stand-in) and
             # scalars; nothing to lift, nothing of ours above aten
@@ -351,8 +397,11 @@ class ShardTensor(DTensor):
     @classmethod
     @traced.entry
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if traced.tracing() is not None:  # under torch.compile: eagerly, a graph break
-            return _EAGER_TD[0](cls, func, types, args, kwargs)
+        if traced.tracing() is not None:
+            if not traced.faked(args):  # an eager region under torch.compile
+                return _EAGER_TD[0](cls, func, types, args, kwargs)
+        elif traced.COMPILED and torch.compiler.is_compiling():  # dynamo's fake blocks
+            traced.check_ranks(func, args, kwargs)
         return (_DISPATCH or _dispatch())[0](func, args, kwargs or {})  # checks stand-ins
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout, redistribute_plan
+from shardlab.tensor import collectives
 from shardlab.trace import label
 
 _REDUCE_OPS = {
@@ -44,11 +45,15 @@ def rank_at(mesh, coord) -> int:
     read once per mesh (``DeviceMesh.mesh`` rebuilds a tensor at every access)."""
     hit = _GRIDS.get(id(mesh))
     if hit is None or hit[0] is not mesh:
-        grid = mesh.mesh
+        from shardlab.tensor.traced import outside_modes
+
+        with outside_modes():  # a real grid, also while torch.compile traces
+            grid = mesh.mesh
+            ranks = grid.flatten().tolist()
         coords = itertools.product(*(range(n) for n in grid.shape))
         if len(_GRIDS) >= 256:
             del _GRIDS[next(iter(_GRIDS))]
-        _GRIDS[id(mesh)] = hit = (mesh, dict(zip(coords, grid.flatten().tolist())))
+        _GRIDS[id(mesh)] = hit = (mesh, dict(zip(coords, ranks)))
     return hit[1][tuple(coord)]
 
 
@@ -91,7 +96,7 @@ def post(ops: list) -> list:
     every message goes through host memory: sends copy to the host first, receives land
     in host buffers and reach their tensors when the returned work is waited for (one
     work for all of them)."""
-    if not ops:
+    if not ops or collectives.exchange(ops):  # traced by torch.compile: done
         return []
     ready = [
         dist.P2POp(op.op, wire(op.tensor), op.peer, op.group, op.tag)
@@ -114,7 +119,8 @@ def post(ops: list) -> list:
 
 
 def run_p2p(ops: list) -> None:
-    """Post every point-to-point op at once and wait for all."""
+    """Post every point-to-point op at once and wait for all (traced, under
+    ``torch.compile``, as one ``shardlab::exchange``)."""
     for work in post(ops):
         work.wait()
 
@@ -285,7 +291,7 @@ def redistribute_local(
                     src = src.replace(placements=tuple(places), sizes=tuple(sizes))
                     continue
                 local = wire(local).clone()
-                dist.all_reduce(local, _REDUCE_OPS[p.reduce_op], group=mesh.get_group(m))
+                collectives.all_reduce_(local, _REDUCE_OPS[p.reduce_op], mesh.get_group(m))
                 src = _as_replicate(src, [m])
         # 2. move boxes between Shard / Replicate placements (a kept Partial moves
         #    like a Replicate; a new Partial target is first made Replicate)

@@ -35,6 +35,7 @@ import contextlib
 import torch
 
 from shardlab import _compat
+from shardlab.tensor import traced
 
 __all__ = [
     "BLOCKS", "Decomposed", "LocalCall", "LocalExpand", "LocalInplace", "LocalReshape",
@@ -217,8 +218,8 @@ class LocalCall:
         me = my_coord(mesh)
         self.outs = tuple(
             (layout, layout.local_shape(me),
-             _compat.dtensor_spec(mesh, layout.placements, layout.global_shape, tuple(stride),
-                                  dtype), dtype)
+             _compat.dtensor_spec(mesh, traced.placements(layout), layout.global_shape,
+                                  tuple(stride), dtype), dtype)
             for layout, stride, dtype in outs
         )  # fmt: skip
 

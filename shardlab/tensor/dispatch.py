@@ -65,7 +65,7 @@ def dispatch(func, args, kwargs):
 def _decide(key, func, args, kwargs):
     """The full path: adopt, torch's meta check, the rule, global strides, keep it."""
     args, kwargs = c.adopt((args, kwargs))
-    meta = None if func in _NO_META else c.meta_call(func, args, kwargs)  # torch's errors
+    meta = _copy_meta(func, args, kwargs) if func in _NO_META else c.meta_call(func, args, kwargs)
     ran = []
     # the arguments it writes (an optional one passed as None is not written: batch
     # norm's running stats when there are none; the key tells None from a tensor)
@@ -246,6 +246,24 @@ def _agrees(out, meta) -> bool:
             and all(_agrees(o, m) for o, m in zip(out, meta))
         )
     return True
+
+
+def _copy_meta(func, args, kwargs):
+    """The strides torch gives an alias or a copy of a ShardTensor (``detach`` and
+    ``alias`` keep its strides, ``clone`` and ``_to_copy`` follow ``memory_format``), from
+    a meta tensor (no meta run of the op itself: a device argument has none)."""
+    x = args[0] if args else None
+    if func not in _COPIES or not isinstance(x, c.shard_tensor_cls()):
+        return None
+    with traced.outside_modes():
+        m = torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+        if func is aten.clone.default or func is aten._to_copy.default:
+            fmt = kwargs.get("memory_format")
+            m = m.clone(memory_format=torch.preserve_format if fmt is None else fmt)
+        return m
+
+
+_COPIES = {aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default}
 
 
 def _with_strides(out, meta, inputs):

@@ -33,6 +33,8 @@ import functools
 
 import torch
 
+from shardlab.tensor import compiled_grads, traced
+
 __all__ = ["fenced", "kept"]
 
 
@@ -93,7 +95,14 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     if inputs is not None:
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
         inputs = [get_gradient_edge(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    mesh = next((t.device_mesh for t in tensors if hasattr(t, "_layout")), None)
+    compiled = mesh is not None and traced.COMPILED  # torch.compile was used: see there
+    if compiled:
+        more = compiled_grads.zero_gradients(tensors, mesh)
+        edges, grads = edges + more[0], grads + more[1]
     torch.autograd.backward(edges, grads, retain_graph, create_graph, inputs=inputs)
+    if compiled:
+        compiled_grads.plain_gradients(tensors)
 
 
 def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):

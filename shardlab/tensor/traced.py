@@ -1,26 +1,28 @@
-"""ShardTensor under ``torch.compile``: graph breaks around every sharded op.
+"""ShardTensor under ``torch.compile``: a traceable subclass.
 
-What dynamo sees::
+What dynamo and AOTAutograd see::
 
-    user code        x = conv(x)        y = x.relu() * 2       loss = y.mean()
-                      |                   |                      |
-    compiled graph   [plain-tensor code] [plain-tensor code]    [plain-tensor code]
-                      ^ break             ^ break                ^ break
-    eager            shardlab op on the real ShardTensor (its collectives, its cache)
+    user code        x = conv(x)          y = x.relu() * w         loss = y.mean()
 
-dynamo traces ops on a DTensor subclass by running them on *stand-ins*: fake tensors
-rebuilt by ``__tensor_unflatten__`` from torch's DTensor flatten format, which has no room
-for shardlab's shard sizes (dynamo checks that format field by field). A stand-in has no
-layout, so a sharded op on it cannot be decided; instead it asks dynamo for a graph break
-(:func:`graph_break`): dynamo compiles the code before the op, runs the op eagerly on the
-real ShardTensor (the decision cache, the collectives, autograd) and resumes compiling
-after it. The public methods that read the layout (``to_local``, ``full_tensor``,
-``redistribute``, ...) and the patched ``torch.nn.functional`` entry points run eagerly the
-same way (:func:`eager`).
+    mesh of 1 rank   [torch's conv, relu, mul, mean on the blocks: one graph, no break]
+    several ranks    conv (halos) | relu | mul (w lifted) | mean     each eagerly,
+                                ^ break ^        ^        ^          plain code compiled
 
-Nothing compiled ever holds a layout or a collective, so a graph cannot be reused for the
-wrong shard sizes: what depends on the sizes runs eagerly every call, and the plain-tensor
-graphs are guarded by torch on the local shapes they see.
+* **The layout travels with the tensor.** DTensor's flatten format carries a
+  :class:`Placements` (DTensor's placements, holding the :class:`ShardLayout`): the
+  ShardTensors that dynamo and AOTAutograd rebuild from fake blocks have their layout,
+  and dynamo's guard on the spec compares layouts (other shard sizes, another graph).
+* **On a mesh of one rank everything is traced.** dynamo puts the ops in the graph,
+  AOTAutograd runs ``__torch_dispatch__`` on fake blocks (it decides as it always does
+  and leaves torch's ops on the blocks in the graph); the patched ``torch.nn.functional``
+  entry points take torch's own function there (:mod:`shardlab.patch`); parameters are
+  taken as they are (:func:`one_rank`). Nothing is sent, so nothing is in the way.
+* **Cut over several ranks, each ShardTensor op runs eagerly** (:func:`check_ranks`): a
+  graph break, as the patched entry points (halos, rings, exact means) and the
+  public methods that read the layout (``to_local``, ``full_tensor``, ...: :func:`eager`).
+  Why not in the graph: see :func:`check_ranks`. Traced anyway (``aot_function``,
+  ``make_fx``), the collectives are graph nodes that send the same messages when the
+  graph runs (:mod:`shardlab.tensor.collectives`), never skipped.
 """
 
 from __future__ import annotations
@@ -30,9 +32,18 @@ import functools
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 
-__all__ = ["check", "eager", "entry", "graph_break", "prepare", "tracing"]
+__all__ = [
+    "COMPILED", "TRACEABLE", "Placements", "check", "check_ranks", "eager", "entry",
+    "faked", "graph_break", "layout_of", "one_rank", "outside_modes", "placements", "prepare",
+    "tracing",
+]  # fmt: skip
 
 tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is installed
+
+# torch 2.13 and 2.15 are the versions tried with the layout in the flatten format (2.11's
+# format is another, and there a traced parameter lost its gradient): before 2.13, every
+# ShardTensor that dynamo rebuilds is a stand-in and each op runs eagerly (:func:`check`)
+TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 def graph_break(what: str):
@@ -44,8 +55,8 @@ def graph_break(what: str):
         gb_type="shardlab: a ShardTensor op",
         context=what,
         explanation=(
-            "ShardTensor ops run eagerly (their layouts, collectives and halos are decided in "
-            "Python); dynamo compiles the plain-tensor code around them"
+            "this ShardTensor call runs eagerly (shardlab.tensor.traced); dynamo compiles "
+            "the code around it"
         ),
         hints=[],
     )
@@ -94,6 +105,9 @@ def _skip(code) -> None:
         _WRAPPER_CODE.append(code)
 
 
+COMPILED: list = []  # not empty once dynamo looked at a ShardTensor here (torch 2.13 on)
+
+
 @functools.cache
 def prepare() -> None:
     """Once dynamo is in use (``__tensor_flatten__``, or the first wrapper called under
@@ -101,6 +115,8 @@ def prepare() -> None:
     is disabled, or runs with no dynamo at all."""
     from torch._dynamo.eval_frame import skip_code
 
+    if TRACEABLE:  # the traced paths (one rank, gradients fixed): 2.13 on
+        COMPILED.append(True)
     for code in _WRAPPER_CODE:
         skip_code(code)
 
@@ -118,3 +134,104 @@ def check(func, args, kwargs) -> None:
         for a in kwargs.values():
             if getattr(a, "_layout", 0) is None:
                 graph_break(getattr(func, "__name__", str(func)))
+
+
+class Placements(tuple):
+    """DTensor's placements of a ShardTensor, holding its :class:`ShardLayout`: how the
+    layout travels in DTensor's flatten format (dynamo, AOTAutograd) and how dynamo's guard
+    on the spec sees shard sizes. Equal to another ``Placements`` only for the same layout;
+    to plain placements as a tuple (torch's own checks compare them)."""
+
+    def __new__(cls, layout):
+        self = super().__new__(cls, layout.placements)
+        self.layout = layout
+        return self
+
+    def __eq__(self, other):
+        if isinstance(other, Placements):
+            return self.layout == other.layout
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
+
+    def __reduce__(self):
+        return Placements, (self.layout,)
+
+
+def layout_of(flatten_spec):
+    """The layout in DTensor's flatten context ``(placements, ...)``; None for plain
+    placements and before torch 2.13 (:data:`TRACEABLE`)."""
+    return getattr(flatten_spec[0], "layout", None) if TRACEABLE else None
+
+
+def placements(layout) -> Placements:
+    """The :class:`Placements` of ``layout``, one per layout object."""
+    hit = layout.__dict__.get("_places")
+    if hit is None:
+        hit = Placements(layout)
+        object.__setattr__(layout, "_places", hit)
+    return hit
+
+
+def outside_modes():
+    """No dispatch mode (dynamo's fake tensors, AOTAutograd's tracing) inside: the meta
+    runs whose results shardlab keeps between calls are plain meta tensors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def faked(args) -> bool:
+    """True if the first ShardTensor among ``args`` holds a fake block (dynamo's or
+    AOTAutograd's tracing)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return is_fake(a)
+        if type(a) in (list, tuple):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    return is_fake(x)
+    return False
+
+
+def one_rank(args, kwargs) -> bool:
+    """Every ShardTensor among ``args`` (and in their lists) lives on a mesh of one rank.
+    Under ``torch.compile`` such a call takes no parameter lifting: AOTAutograd loses the
+    gradient of a plain input that reaches a ShardTensor output through an autograd
+    Function (the lift), while the op itself, traced with the plain tensor as it is,
+    gives it its gradient (a ShardTensor there, whole on one rank, made plain after the
+    backward by :mod:`shardlab.tensor.compiled_grads`)."""
+    seen = False
+    with torch._C.DisableTorchFunctionSubclass():
+        for a in (*args, *(kwargs or {}).values()):
+            for x in a if type(a) in (list, tuple) else (a,):
+                mesh = getattr(x, "_spec", None)
+                if mesh is not None and hasattr(x, "_local_tensor"):
+                    if x._spec.mesh.size() != 1:
+                        return False
+                    seen = True
+    return seen
+
+
+def check_ranks(func, args, kwargs) -> None:
+    """While dynamo traces (its fake blocks, not AOTAutograd's functional ones): a graph
+    break before an op on a ShardTensor cut over several ranks, which then runs eagerly.
+
+    Traced, its messages would sit in a compiled graph while others (the patched
+    ``torch.nn.functional`` calls, parameters lifted to ShardTensors) run eagerly
+    between graphs; with uneven shards the ranks' graphs differ, and so could the order
+    in which autograd runs the compiled and eager parts of the backward: rank 0 posting
+    a halo while rank 1 posts an all-reduce (a hang). On a mesh of one rank nothing is
+    sent, and every op stays in the graph."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from shardlab.tensor.aten._common import tree_leaves
+
+    for a in tree_leaves((args, kwargs)):
+        if type(getattr(a, "_local_tensor", None)) is FakeTensor and a.device_mesh.size() != 1:
+            graph_break(f"{func} on a ShardTensor cut over several ranks")

@@ -328,3 +328,26 @@ def test_partial_to_shard_is_a_reduce_scatter_v(ranks_for, world):
         return torch.allclose(out.full_tensor(), sum(parts))
 
     assert ranks_for(world).run(body) == [True] * world
+
+
+def test_compile_cache_key_holds_the_block(ranks_for):
+    """AOTAutograd's on-disk cache key of a ShardTensor (``_stable_hash_for_caching``)
+    differs between ranks holding different blocks and between shard sizes: a rank never
+    loads a graph compiled for another rank's block."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        x = torch.randn(10, 6)
+        keys = [
+            shardlab.distribute(x, mesh, [Shard(0)], [s])._stable_hash_for_caching()
+            for s in ([7, 3], [5, 5], [7, 3])
+        ]
+        return keys
+
+    r0, r1 = ranks_for(2).run(body)
+    assert r0[0] == r0[2] and r0[0] != r0[1]  # the same layout, the same key
+    assert len({r0[0], r1[0], r0[1], r1[1]}) == 4  # [5, 5]: equal blocks, other ranks

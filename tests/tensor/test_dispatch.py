@@ -559,3 +559,32 @@ def test_fused_attention_with_features_cut_by_one_rank(ranks_for, world):
 
     for res in ranks_for(world).run(body):
         assert all(res), res
+
+
+def test_aliases_and_copies_keep_torch_strides(ranks_for):
+    """``detach`` and ``alias`` of a transposed ShardTensor keep its strides, ``clone``
+    keeps them too (torch's ``preserve_format``), as on one device (an alias used to come
+    back contiguous, which ``torch.compile`` then rebuilt with the wrong strides)."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        x = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(5))
+        st = shardlab.distribute(x, mesh, [Shard(1)], [[4, 2]] if mesh.size() == 2 else None)
+        y, want = st.transpose(1, 2), x.transpose(1, 2)
+        got = [
+            y.detach(),
+            torch.ops.aten.alias(y),
+            y.clone(),
+            y.clone(memory_format=torch.contiguous_format),
+        ]
+        ref = [want.detach(), torch.ops.aten.alias(want), want.clone(), want.contiguous()]
+        return [
+            (a.stride() == b.stride(), torch.equal(a.full_tensor(), b)) for a, b in zip(got, ref)
+        ]
+
+    for world in (1, 2):
+        assert ranks_for(world).run(body) == [[(True, True)] * 4] * world

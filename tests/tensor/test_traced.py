@@ -313,3 +313,183 @@ def test_a_stand_in_asks_for_a_graph_break():
     with pytest.raises(Unsupported):
         traced.check(torch.ops.aten.cat.default, ([torch.ones(1), StandIn()],), {})
     traced.check(torch.ops.aten.add.Tensor, (torch.ones(1), 2), {"alpha": 1})  # no break
+
+
+# -- a mesh of one rank: everything in the graph ------------------------------------
+def _traceable():
+    from shardlab.tensor import traced
+
+    return traced.TRACEABLE
+
+
+needs_traceable = pytest.mark.skipif(
+    not _traceable(), reason="torch < 2.13: each ShardTensor op runs eagerly (traced.py)"
+)
+
+
+@needs_traceable
+def test_one_rank_models_compile_to_one_graph(ranks_for):
+    """The zoo's ResNet, ViT and Llama on one rank, compiled unchanged: one graph, no
+    graph break, logits and every gradient (plain tensors, as eagerly) equal to the
+    uncompiled sharded step and to one device."""
+    pytest.importorskip("transformers")
+
+    def body():
+        import copy
+
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from tests.models import _zoo
+
+        mesh = shardlab.this_rank().mesh
+        bad = []
+        for name, backend in (("resnet", "aot_eager"), ("vit", "aot_eager"), ("llama", "inductor")):
+            torch.manual_seed(0)
+            if name in _zoo.DECODERS:
+                model = _zoo.decoder(name).double()
+                ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator())
+                full, labels, dim = {"input_ids": ids}, ids, 1
+            else:
+                model = _zoo.vision(name)[0].double()
+                g = torch.Generator().manual_seed(1)
+                full = {"pixel_values": torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=g)}
+                labels, dim = torch.tensor([1] * _zoo.IMAGE[0]), 2
+            model.train()
+
+            def step(m, sharded, full=full, labels=labels, dim=dim):
+                xs, lab = full, labels
+                if sharded:
+                    xs = {k: shardlab.distribute(v, mesh, [Shard(dim)]) for k, v in full.items()}
+                    if dim == 1:
+                        lab = shardlab.distribute(labels, mesh, [Shard(1)])
+                out = m(**xs, labels=lab)
+                out.loss.backward()
+                grads = [p.grad for p in m.parameters() if p.grad is not None]
+                m.zero_grad(set_to_none=True)
+                logits = out.logits.detach()
+                return (logits.full_tensor() if sharded else logits), grads
+
+            one = step(copy.deepcopy(model), False)
+            torch._dynamo.reset()
+            with shardlab.patched():
+                eager = step(model, True)
+                compiled_model = torch.compile(model, backend=backend)
+                counters.clear()
+                first = step(compiled_model, True)
+                graphs = counters["stats"]["unique_graphs"]
+                breaks = sum(counters["graph_break"].values())
+                second = step(compiled_model, True)
+            if (graphs, breaks) != (1, 0):
+                bad.append((name, "graphs, breaks", graphs, breaks))
+            for label, (logits, grads) in (("first", first), ("second", second)):
+                if any(type(g) is not torch.Tensor for g in grads):
+                    bad.append((name, label, "a gradient that is not a plain tensor"))
+                if len(grads) != len(eager[1]) or len(grads) != len(one[1]):
+                    bad.append((name, label, "gradients", len(grads), len(eager[1])))
+                    continue
+                for ref in (eager, one):
+                    same = torch.allclose(logits, ref[0])
+                    same = same and all(torch.allclose(a, b) for a, b in zip(grads, ref[1]))
+                    if not same:
+                        bad.append((name, label, "values"))
+        return bad
+
+    assert ranks_for(1).run(body) == [[]]
+
+
+@needs_traceable
+def test_one_rank_layouts_are_guarded(ranks_for):
+    """On one rank each layout gets its own graph (dynamo's guard on the spec compares
+    layouts): Shard(0), Replicate and Shard(1) of the same tensor, each right, none
+    reusing another's graph; the same layout again reuses its graph."""
+
+    def body():
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Replicate, Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        torch._dynamo.reset()
+        counters.clear()
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        compiled = torch.compile(
+            lambda t: t.softmax(0) * 2 + t.sum(1, keepdim=True), backend="aot_eager"
+        )
+        bad = []
+        for places in ([Shard(0)], [Replicate()], [Shard(1)], [Shard(0)]):
+            st = shardlab.distribute(x, mesh, places)
+            got = compiled(st)
+            if not torch.allclose(got.full_tensor(), x.softmax(0) * 2 + x.sum(1, keepdim=True)):
+                bad.append(("values", places))
+        return bad, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    assert ranks_for(1).run(body) == [([], 3, 0)]
+
+
+def test_placements_compare_layouts():
+    """The flatten format's placements tell layouts apart by their shard sizes (no
+    process group): what dynamo's guard on the spec compares."""
+    from torch.distributed.tensor import Shard
+
+    from shardlab.layout import ShardLayout
+    from shardlab.tensor import traced
+
+    a = ShardLayout.build((10, 6), (2,), [Shard(0)], [[7, 3]])
+    b = ShardLayout.build((10, 6), (2,), [Shard(0)], [[5, 5]])
+    pa, pb = traced.placements(a), traced.placements(b)
+    assert pa != pb and pa == traced.placements(
+        ShardLayout.build((10, 6), (2,), [Shard(0)], [[7, 3]])
+    )
+    assert pa == (Shard(0),) and hash(pa) == hash((Shard(0),))  # torch's own checks
+    if traced.TRACEABLE:
+        assert traced.layout_of((pb, None, None, False)) == b
+    assert traced.layout_of(((Shard(0),), None)) is None  # plain placements: a stand-in
+    assert traced.placements(a) is pa  # one per layout
+
+
+@needs_traceable
+def test_two_outputs_and_a_backward_through_one(ranks_for):
+    """A compiled function with two ShardTensor outputs, backward through one of them: the
+    other one's gradient is zeros (``compiled_grads.zero_gradients``), as eagerly."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: (t * 2, t.sin()), backend="aot_eager")
+        leaf = torch.randn(4, 6, dtype=torch.float64).requires_grad_()
+        a, _ = compiled(shardlab.distribute(leaf, mesh, [Shard(0)]))
+        a.sum().backward()
+        return torch.equal(leaf.grad, torch.full_like(leaf, 2.0))
+
+    assert ranks_for(1).run(body) == [True]
+
+
+def test_several_ranks_run_sharded_ops_eagerly(ranks_for):
+    """On two ranks each ShardTensor op breaks the graph (``traced.check_ranks``), the
+    plain code between them is compiled, and the values are right."""
+
+    def body():
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        torch._dynamo.reset()
+        x = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        st = shardlab.distribute(x, mesh, [Shard(0)], [[7, 3]])
+        fn = lambda t: (t * 2).softmax(0)  # noqa: E731
+        counters.clear()
+        got = torch.compile(fn, backend="aot_eager")(st).full_tensor()
+        # a break at the frame's first op skips the frame ("unimplemented"), else "graph_break"
+        reasons = " ".join([*counters["graph_break"], *counters["unimplemented"]])
+        return "shardlab: a ShardTensor op" in reasons, torch.allclose(got, (x * 2).softmax(0))
+
+    assert ranks_for(2).run(body) == [(True, True)] * 2

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
 from shardlab.layout import ShardLayout, chunk_sizes
-from shardlab.tensor import comm, decisions
+from shardlab.tensor import comm, decisions, traced
 
 aten = torch.ops.aten
 
@@ -334,6 +334,11 @@ def meta_call(func, args, kwargs):
 
 
 def _meta_call(func, args, kwargs):
+    with traced.outside_modes():  # meta tensors, also while torch.compile traces (kept)
+        return _meta_call_here(func, args, kwargs)
+
+
+def _meta_call_here(func, args, kwargs):
     margs, mkwargs = tree_map(meta_of, (args, kwargs))
     if func in _HALF_ONLY_META:
         return _as_half_on_meta(func, margs, mkwargs)

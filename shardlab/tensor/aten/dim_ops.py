@@ -18,12 +18,11 @@ When one does:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout, moves
 from shardlab.layout.elementwise import restrict
-from shardlab.tensor import decisions
+from shardlab.tensor import collectives, decisions
 from shardlab.trace import label
 
 from . import _common as c
@@ -206,7 +205,7 @@ def _cumsum(x, dim, dtype):
     group = mesh.get_group(m)
     gathered = [torch.empty_like(total) for _ in range(mesh.shape[m])]
     with label("cumsum.scan"):
-        dist.all_gather(gathered, total, group=group)
+        collectives.all_gather(gathered, total, group)
     mine = c.me(mesh)[m]
     if mine:
         local = local + torch.stack(gathered[:mine]).sum(0)

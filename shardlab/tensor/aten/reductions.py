@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout.elementwise import reduce_layout
+from shardlab.tensor import collectives
 from shardlab.trace import label
 
 from . import _common as c
@@ -136,7 +137,7 @@ def _all_reduce_over(t, mesh, mesh_dims, op, cause):
     t = t.contiguous().clone()
     with label(cause):
         for m in mesh_dims:
-            dist.all_reduce(t, op, group=mesh.get_group(m))
+            collectives.all_reduce_(t, op, mesh.get_group(m))
     return t
 
 
@@ -247,8 +248,8 @@ def _combine(vals, idx, group, is_max):
     n = dist.get_world_size(group)
     all_v = [torch.empty_like(vals) for _ in range(n)]
     all_i = [torch.empty_like(idx) for _ in range(n)]
-    dist.all_gather(all_v, vals.contiguous(), group=group)
-    dist.all_gather(all_i, idx.contiguous(), group=group)
+    collectives.all_gather(all_v, vals.contiguous(), group)
+    collectives.all_gather(all_i, idx.contiguous(), group)
     best_v, best_i = all_v[0], all_i[0]
     for v, i in zip(all_v[1:], all_i[1:]):
         vn, bn = _isnan(v), _isnan(best_v)

@@ -1,0 +1,145 @@
+"""shardlab's collectives as ops a compiled graph can hold.
+
+Eagerly, a ShardTensor op calls ``torch.distributed`` on its blocks. Under
+``torch.compile`` the blocks are *fake* (dynamo and AOTAutograd trace with tensors that
+have shapes and no data): a ``dist.all_reduce`` on them sends nothing, and nothing of it
+would be in the graph. So each collective here checks its tensor once:
+
+    real block  ->  torch.distributed, as always (no extra copy)
+    fake block  ->  one of the ops below (``torch.ops.shardlab.*``): a node of the graph
+                    with a fake kernel (shapes only) for tracing and, when the compiled
+                    graph runs, the same ``torch.distributed`` calls on real blocks
+
+::
+
+    all_reduce(t, op, group)          -> t reduced over the group       (t, in place)
+    all_gather(t, group)              -> [t of group rank 0, 1, ...]
+    exchange(sends, to, recvs, from)  -> the received tensors            (point to point)
+
+Groups travel by name (``ProcessGroup.group_name``; a message's: comma-separated, empty for
+the default group): a graph holds strings and ints only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+__all__ = ["all_gather", "all_reduce_", "exchange", "is_traced"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "avg": dist.ReduceOp.AVG}  # fmt: skip
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """True for a fake block (under dynamo or AOTAutograd); a plain tensor is real."""
+    if type(t) is torch.Tensor:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _op_name(op) -> str:
+    for name, value in _OPS.items():
+        if op == value:
+            return name
+    raise NotImplementedError(f"reduce op {op}: supported are {sorted(_OPS)}")
+
+
+# -- the ops a graph holds ---------------------------------------------------------
+@torch.library.custom_op("shardlab::all_reduce", mutates_args=())
+def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    out = t.contiguous().clone()
+    dist.all_reduce(out, _OPS[op], group=_resolve_process_group(group))
+    return out
+
+
+@_all_reduce.register_fake
+def _(t, op, group):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("shardlab::all_gather", mutates_args=())
+def _all_gather(t: torch.Tensor, n: int, group: str) -> list[torch.Tensor]:
+    out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
+    dist.all_gather(out, t.contiguous(), group=_resolve_process_group(group))
+    return out
+
+
+@_all_gather.register_fake
+def _(t, n, group):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
+
+
+@torch.library.custom_op("shardlab::exchange", mutates_args=())
+def _exchange(
+    sends: list[torch.Tensor],
+    to: list[int],
+    recvs: list[torch.Tensor],
+    sources: list[int],
+    groups: str,
+) -> list[torch.Tensor]:
+    from shardlab.tensor.comm import run_p2p
+
+    out = [torch.empty_like(r, memory_format=torch.contiguous_format) for r in recvs]
+    gs = [_resolve_process_group(g) if g else None for g in groups.split(",")]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), p, g) for t, p, g in zip(sends, to, gs)]
+    gs = gs[len(sends) :]
+    ops += [dist.P2POp(dist.irecv, b, p, g) for b, p, g in zip(out, sources, gs)]
+    run_p2p(ops)
+    return out
+
+
+@_exchange.register_fake
+def _(sends, to, recvs, sources, groups):
+    return [torch.empty_like(r, memory_format=torch.contiguous_format) for r in recvs]
+
+
+# a message is sent for its effect on another rank: never dropped as unused, never moved
+for _op in (_all_reduce, _all_gather, _exchange):
+    torch.fx.node.has_side_effect(_op._opoverload)
+
+
+# -- what shardlab calls -----------------------------------------------------------
+def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """``dist.all_reduce(t, op, group)`` (in place), traced as ``shardlab::all_reduce``."""
+    if not is_traced(t):
+        dist.all_reduce(t, op, group=group)
+        return t
+    return t.copy_(torch.ops.shardlab.all_reduce(t, _op_name(op), _name(group)))
+
+
+def all_gather(out: list, t: torch.Tensor, group=None) -> list:
+    """``dist.all_gather(out, t, group)``, traced as ``shardlab::all_gather``."""
+    if not is_traced(t):
+        dist.all_gather(out, t, group=group)
+        return out
+    for o, r in zip(out, torch.ops.shardlab.all_gather(t, len(out), _name(group))):
+        o.copy_(r)
+    return out
+
+
+def exchange(ops: list) -> bool:
+    """Point-to-point ``P2POp`` s (global peers) traced as one
+    ``shardlab::exchange``: each receive buffer gets what arrived. False (nothing done)
+    for real tensors: the caller posts them itself."""
+    if not ops or not any(is_traced(op.tensor) for op in ops):
+        return False
+    sends = [op for op in ops if op.op is dist.isend]
+    recvs = [op for op in ops if op.op is not dist.isend]
+    got = torch.ops.shardlab.exchange(
+        [op.tensor for op in sends],
+        [op.peer for op in sends],
+        [op.tensor for op in recvs],
+        [op.peer for op in recvs],
+        ",".join(op.group.group_name if op.group is not None else "" for op in sends + recvs),
+    )
+    for op, r in zip(recvs, got):
+        op.tensor.copy_(r)
+    return True

@@ -1,0 +1,92 @@
+"""Gradients around compiled code, fixed where AOTAutograd's guesses differ from eager.
+
+A backward started from a ShardTensor (``loss.backward()``, :mod:`shardlab.tensor.recompute`)
+passes here when something was compiled in this process (``traced.COMPILED``):
+
+1. before it, :func:`zero_gradients`: a compiled function's ShardTensor output that gets no
+   gradient (a model's logits next to its loss) would get plain zeros from autograd,
+   which the compiled backward refuses (torch's issue #173123): such outputs get
+   Replicate zeros as extra roots;
+2. after it, :func:`plain_gradients`: on meshes of one rank compiled code takes
+   parameters as they are (``traced.one_rank``), and their ``.grad`` can come back as
+   a ShardTensor: it is made the plain tensor it is eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlab.tensor import traced
+
+__all__ = ["plain_gradients", "zero_gradients"]
+
+
+def zero_gradients(roots, mesh) -> tuple[list, list]:
+    """Extra roots for a backward from ``roots``: a compiled function (AOTAutograd's) with
+    a ShardTensor output that gets no gradient (a model's logits next to its loss) would
+    get plain zeros from autograd, which its compiled backward refuses (torch's issue
+    #173123). Each such output gets a root of its own: Replicate zeros (the compiled
+    backward moves them to the layout it was built for, with no message; added to the
+    output's real gradient where it has one). Returns (gradient edges, zeros)."""
+    if not traced.COMPILED:
+        return [], []
+    from torch.autograd.graph import GradientEdge
+
+    edges, zeros = [], []
+    seen, stack = set(), [getattr(r, "grad_fn", None) for r in roots]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        meta = getattr(getattr(node, "_forward_cls", None), "metadata", None)
+        if meta is not None and hasattr(meta, "output_info"):
+            for j, shape, dtype, device in _sharded_outputs(node, meta):
+                edges.append(GradientEdge(node, j))
+                zeros.append(_zeros(shape, dtype, device, mesh))
+        stack.extend(f for f, _ in node.next_functions if f is not None)
+    return edges, zeros
+
+
+def _sharded_outputs(node, meta):
+    """(index, global shape, dtype, device) of each differentiable ShardTensor output."""
+    from shardlab.tensor.api import ShardTensor
+
+    first = meta.num_mutated_inp_runtime_indices
+    for i, info in enumerate(meta.output_info):
+        kind = getattr(info.output_type, "name", "")
+        if kind not in ("non_alias", "unsafe_view_alias", "custom_function_view"):
+            continue
+        if not (info.requires_grad and issubclass(info.raw_type, ShardTensor)):
+            continue
+        m = node._input_metadata[first + i]
+        yield first + i, tuple(m.shape), m.dtype, m.device
+
+
+def _zeros(shape, dtype, device, mesh):
+    from torch.distributed.tensor import Replicate
+
+    from shardlab.layout import ShardLayout
+    from shardlab.tensor.api import ShardTensor
+
+    layout = ShardLayout.build(shape, tuple(mesh.shape), [Replicate()] * mesh.ndim)
+    return ShardTensor._wrap(torch.zeros(shape, dtype=dtype, device=device), mesh, layout)
+
+
+def plain_gradients(roots) -> None:
+    """After a backward from ``roots`` through compiled code on meshes of one rank: a plain
+    tensor whose ``.grad`` came back as a ShardTensor (see :func:`one_rank`) gets it as a
+    plain tensor, as eagerly."""
+    from torch.distributed.tensor import DTensor
+
+    seen, stack = set(), [getattr(r, "grad_fn", None) for r in roots]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None and not isinstance(var, DTensor) and isinstance(var.grad, DTensor):
+            if var.grad.device_mesh.size() == 1:
+                var.grad = var.grad.full_tensor()
+        stack.extend(f for f, _ in node.next_functions if f is not None)
