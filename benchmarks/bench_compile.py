@@ -15,8 +15,9 @@ uneven sizes; a step is forward + backward of the model's own loss, unchanged, u
   counts in one forward on rank 0 (collective and point-to-point calls);
 * exact: largest difference of the compiled step's logits and gradients against eager.
 
-shardlab's design (``shardlab/tensor/traced.py``): every ShardTensor op runs eagerly
-between graphs (a graph break), the plain-tensor code around it is compiled.
+shardlab's design (``shardlab/tensor/traced.py``): on a mesh of one rank the whole step is
+traced (one graph); cut over several ranks each ShardTensor op runs eagerly between graphs
+(a graph break) and the plain-tensor code around it is compiled.
 """
 
 from __future__ import annotations
