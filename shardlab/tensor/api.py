@@ -118,8 +118,10 @@ class ShardTensor(DTensor):
 
     @property
     def placements(self) -> tuple:
-        """DTensor's placements (a plain tuple: the spec's own also hold the layout, which
-        makes them unequal for other shard sizes, see ``traced.Placements``)."""
+        """One placement per mesh dim, as DTensor gives them.
+
+        A plain tuple, since the spec's own placements also hold the layout
+        (``traced.Placements``), which makes them unequal for other shard sizes."""
         return tuple(self._spec.placements)
 
     # -- torch.compile (shardlab.tensor.traced): torch's DTensor format --------

@@ -33,19 +33,25 @@ def zero_gradients(roots, mesh) -> tuple[list, list]:
     from torch.autograd.graph import GradientEdge
 
     edges, zeros = [], []
+    for node in _nodes(roots):
+        meta = getattr(getattr(node, "_forward_cls", None), "metadata", None)
+        if meta is not None and hasattr(meta, "output_info"):
+            for j, shape, dtype, device in _sharded_outputs(node, meta):
+                edges.append(GradientEdge(node, j))
+                zeros.append(_zeros(shape, dtype, device, mesh))
+    return edges, zeros
+
+
+def _nodes(roots):
+    """Every autograd node reachable from ``roots``, once."""
     seen, stack = set(), [getattr(r, "grad_fn", None) for r in roots]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        meta = getattr(getattr(node, "_forward_cls", None), "metadata", None)
-        if meta is not None and hasattr(meta, "output_info"):
-            for j, shape, dtype, device in _sharded_outputs(node, meta):
-                edges.append(GradientEdge(node, j))
-                zeros.append(_zeros(shape, dtype, device, mesh))
+        yield node
         stack.extend(f for f, _ in node.next_functions if f is not None)
-    return edges, zeros
 
 
 def _sharded_outputs(node, meta):
@@ -79,14 +85,8 @@ def plain_gradients(roots) -> None:
     plain tensor, as eagerly."""
     from torch.distributed.tensor import DTensor
 
-    seen, stack = set(), [getattr(r, "grad_fn", None) for r in roots]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in _nodes(roots):
         var = getattr(node, "variable", None)
         if var is not None and not isinstance(var, DTensor) and isinstance(var.grad, DTensor):
             if var.grad.device_mesh.size() == 1:
                 var.grad = var.grad.full_tensor()
-        stack.extend(f for f, _ in node.next_functions if f is not None)

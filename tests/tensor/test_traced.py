@@ -183,6 +183,24 @@ def test_conv_stack_and_the_tutorial_unet_compile_exactly(ranks_for, world):
     assert ranks_for(world).run(body) == [[]] * world
 
 
+def _zoo_batch(name):
+    """A zoo model (float64, train mode, seeded weights) and its batch: (model, inputs,
+    labels, the dim the inputs are cut along)."""
+    from tests.models import _zoo
+
+    torch.manual_seed(0)
+    if name in _zoo.DECODERS:
+        model = _zoo.decoder(name).double()
+        ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator())
+        full, labels, dim = {"input_ids": ids}, ids, 1
+    else:
+        model = _zoo.vision(name)[0].double()
+        g = torch.Generator().manual_seed(1)
+        full = {"pixel_values": torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=g)}
+        labels, dim = torch.tensor([1] * _zoo.IMAGE[0]), 2
+    return model.train(), full, labels, dim
+
+
 @pytest.mark.timeout(900)
 def test_transformers_models_compile_exactly(ranks_for):
     pytest.importorskip("transformers")
@@ -199,17 +217,7 @@ def test_transformers_models_compile_exactly(ranks_for):
         mesh = shardlab.this_rank().mesh
         bad = []
         for name in ("resnet", "vit", "llama"):
-            torch.manual_seed(0)  # the same weights on every rank
-            if name in _zoo.DECODERS:
-                model = _zoo.decoder(name).double()
-                ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator())
-                full, labels, dim = {"input_ids": ids}, ids, 1
-            else:
-                model = _zoo.vision(name)[0].double()
-                g = torch.Generator().manual_seed(1)
-                full = {"pixel_values": torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=g)}
-                labels, dim = torch.tensor([1] * _zoo.IMAGE[0]), 2
-            model.train()
+            model, full, labels, dim = _zoo_batch(name)  # the same weights on every rank
             sizes = _zoo.uneven(next(iter(full.values())).shape[dim], mesh.size())
 
             def step(m, sharded, full=full, labels=labels, dim=dim, sizes=sizes):
@@ -341,22 +349,11 @@ def test_one_rank_models_compile_to_one_graph(ranks_for):
         from torch.distributed.tensor import Shard
 
         import shardlab
-        from tests.models import _zoo
 
         mesh = shardlab.this_rank().mesh
         bad = []
         for name, backend in (("resnet", "aot_eager"), ("vit", "aot_eager"), ("llama", "inductor")):
-            torch.manual_seed(0)
-            if name in _zoo.DECODERS:
-                model = _zoo.decoder(name).double()
-                ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator())
-                full, labels, dim = {"input_ids": ids}, ids, 1
-            else:
-                model = _zoo.vision(name)[0].double()
-                g = torch.Generator().manual_seed(1)
-                full = {"pixel_values": torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=g)}
-                labels, dim = torch.tensor([1] * _zoo.IMAGE[0]), 2
-            model.train()
+            model, full, labels, dim = _zoo_batch(name)
 
             def step(m, sharded, full=full, labels=labels, dim=dim):
                 xs, lab = full, labels
