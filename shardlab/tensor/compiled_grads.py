@@ -70,13 +70,9 @@ def _sharded_outputs(node, meta):
 
 
 def _zeros(shape, dtype, device, mesh):
-    from torch.distributed.tensor import Replicate
+    from shardlab.tensor.aten._common import as_shard
 
-    from shardlab.layout import ShardLayout
-    from shardlab.tensor.api import ShardTensor
-
-    layout = ShardLayout.build(shape, tuple(mesh.shape), [Replicate()] * mesh.ndim)
-    return ShardTensor._wrap(torch.zeros(shape, dtype=dtype, device=device), mesh, layout)
+    return as_shard(torch.zeros(shape, dtype=dtype, device=device), mesh)  # Replicate
 
 
 def plain_gradients(roots) -> None:
