@@ -70,11 +70,17 @@ def new_dtensor(cls, local, spec, requires_grad: bool = False):
     """``cls(local, spec, requires_grad=...)`` without ``DTensor.__init__`` (a
     dynamo-disabled Python no-op costing ~1 µs): torch's C++ constructor, 2.11-2.15,
     which sets ``_spec`` and ``_local_tensor`` itself. ``local`` must not require grad."""
+    return (_NEW or dtensor_constructor())[0](cls, local, spec, requires_grad=requires_grad)
+
+
+def dtensor_constructor() -> list:
+    """``[f]``: what :func:`new_dtensor` calls, ``f(cls, local, spec, requires_grad=...)``
+    (for the hottest callers, without new_dtensor's frame)."""
     if not _NEW:
         import torch
 
         _NEW.append(getattr(torch.Tensor, "_dtensor__new__", _new_fallback))
-    return _NEW[0](cls, local, spec, requires_grad=requires_grad)
+    return _NEW
 
 
 def _new_fallback(cls, local, spec, requires_grad):

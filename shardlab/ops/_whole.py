@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardlab.tensor._autograd import records
+
 __all__ = ["NAMES", "whole_call"]
 
 NAMES = frozenset(
@@ -113,14 +115,20 @@ def whole_call(name, original, args, kwargs):
     if first is None:
         return NotImplemented
 
-    args, kwargs = _blocks(args, kwargs, first, ShardTensor)
-    out = original(*args, **kwargs)
     mesh, layout = first.device_mesh, first._layout
+    if records((*args, *kwargs.values())):
+        args, kwargs = _blocks(args, kwargs, first, ShardTensor)
+        make = from_layout
+    else:  # nothing for autograd to record: the blocks as they are, no Function
+        args = [a._local_tensor if type(a) is ShardTensor else a for a in args]
+        kwargs = {k: v._local_tensor if type(v) is ShardTensor else v for k, v in kwargs.items()}
+        make = ShardTensor._wrap
+    out = original(*args, **kwargs)
 
     def wrap(y):
         if not isinstance(y, torch.Tensor):
             return y
-        return from_layout(y, mesh, out_layout(layout, tuple(y.shape), name), stride=y.stride())
+        return make(y, mesh, out_layout(layout, tuple(y.shape), name), stride=y.stride())
 
     return tuple(wrap(y) for y in out) if type(out) is tuple else wrap(out)
 

@@ -53,6 +53,7 @@ from shardlab.ops._cnn_common import (
 )
 from shardlab.ops._cnn_norm import NormSpec, RowsNorm, SyncNorm
 from shardlab.ops.registry import register
+from shardlab.tensor._autograd import records
 
 
 def _no_channel_shard(name, input):
@@ -231,6 +232,10 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
                 t is not None and t.requires_grad for t in (weight, bias)
             )
             mesh = input.device_mesh
+            if not trained and not records((input,)):  # nothing for autograd: no Function
+                shape = gshape[len(gshape) - k :]
+                y = torch.native_layer_norm(input._local_tensor, shape, weight, bias, eps)[0]
+                return input._wrap(y, mesh, input._layout)  # (as RowsNorm's forward)
             groups = groups_over(mesh, sharding_mesh_dims(input._layout)) if trained else []
             return RowsNorm.apply(input, weight, bias, gshape[len(gshape) - k :], eps, groups)
         w, b = summed_grads([weight, bias], input, "layer_norm.params")

@@ -1,6 +1,7 @@
 """The autograd Functions between a rank's block and its ShardTensor: ``from_local`` and
 ``to_local`` (a view each way; the gradient laid out as the forward's), ``redistribute``
-(its backward moves the gradient back to the source layout)."""
+(its backward moves the gradient back to the source layout); :func:`records`: whether
+autograd records a call at all (the handlers skip their Functions when it does not)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,19 @@ from shardlab.tensor import comm
 from shardlab.tensor.api import ShardTensor, _grad_layout
 from shardlab.tensor.recompute import fenced
 
-__all__: list = []
+__all__ = ["records"]
+
+
+def records(values) -> bool:
+    """Grad mode is on and a tensor among ``values`` requires grad (a ShardTensor's flag
+    read without its ``__torch_function__``)."""
+    if not torch.is_grad_enabled():
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                return True
+    return False
 
 
 class _FromLocalAlone(torch.autograd.Function):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
 from shardlab.layout import ShardLayout
-from shardlab.tensor import comm, recompute, submesh, traced
+from shardlab.tensor import comm, nograd, recompute, submesh, traced
 from shardlab.tensor._checks import (
     _check_device,
     _gather_shapes,
@@ -363,7 +363,8 @@ class ShardTensor(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if traced.tracing() is not None:  # an eager region under torch.compile
             return _EAGER_TF[0](cls, func, types, args, kwargs)
-        if traced.COMPILED and torch.compiler.is_compiling() and func not in _OWN_CALLS:
+        compiling = traced.COMPILED and torch.compiler.is_compiling()
+        if compiling and func not in _OWN_CALLS:
             if traced.one_rank(args, kwargs):  # traced: nothing to lift (see traced.py)
                 return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
         if func not in _OWN_CALLS and (not kwargs or _scalar_kwargs(kwargs)):
@@ -371,6 +372,10 @@ class ShardTensor(DTensor):
             # scalars; nothing to lift, nothing of ours above aten
             mesh = _one_mesh(args)
             if mesh is not None and mesh is not _MIXED:
+                if not compiling:  # nothing for autograd to record: on the blocks
+                    out = nograd.call(func, types, args, kwargs or _NO_KWARGS)
+                    if out is not NotImplemented:
+                        return out
                 return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
         traced.check(func, args, kwargs)  # dynamo's stand-ins: a graph break
         kwargs = kwargs or {}

@@ -78,8 +78,12 @@ def decided(out, func, moves, mesh, layouts, cause: str = "", local=None) -> Non
 SIZE = 8192  # signatures kept; a training step repeats a few hundred
 
 
+TABLES = [_TABLE]  # every table of kept decisions (:mod:`.nograd` adds its own)
+
+
 def clear() -> None:
-    _TABLE.clear()
+    for table in TABLES:
+        table.clear()
 
 
 def lookup(key):
@@ -90,14 +94,14 @@ def lookup(key):
         return None
 
 
-def remember(key, decision) -> None:
+def remember(key, decision, table=_TABLE) -> None:
     try:
         hash(key)
     except TypeError:
         return
-    if len(_TABLE) >= SIZE:
-        del _TABLE[next(iter(_TABLE))]  # the oldest
-    _TABLE[key] = decision
+    if len(table) >= SIZE:
+        del table[next(iter(table))]  # the oldest
+    table[key] = decision
 
 
 _ST = None  # ShardTensor (api imports this module)
@@ -226,8 +230,9 @@ class LocalCall:
     def __call__(self, func, args, kwargs):
         st = _ST
         local_args, local_kwargs = self._blocks(args, kwargs, st)
-        if self.local is None:
-            out = func(*local_args, **local_kwargs)
+        if self.local is None:  # (an aten op's C handle: without OpOverload.__call__'s frame)
+            op = func._op if type(func) is _OP_OVERLOAD else func
+            out = op(*local_args, **local_kwargs)
         else:
             out = self.local(local_args, local_kwargs)
         if not self.many:
@@ -248,7 +253,7 @@ class LocalCall:
             )
         if out.requires_grad:  # below autograd a local result has no history: never, so far
             out = out.detach()
-        wrapped = _compat.new_dtensor(st, out, spec)
+        wrapped = (_NEW or _compat.dtensor_constructor())[0](st, out, spec, requires_grad=False)
         wrapped._layout = layout
         return wrapped
 
@@ -286,6 +291,10 @@ class LocalCall:
         if type(a) is st:
             return c.move(a, move, self.cause)._local_tensor
         return c.move(c.as_shard(a, self.mesh), move, self.cause)._local_tensor
+
+
+_OP_OVERLOAD = torch._ops.OpOverload
+_NEW = _compat._NEW  # [DTensor's C constructor] (what _compat.new_dtensor calls), once used
 
 
 class LocalInplace(LocalCall):

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import Partial
 
 from shardlab import _compat
-from shardlab.tensor import decisions, traced
+from shardlab.tensor import decisions, nograd, traced
 from shardlab.tensor.aten import HANDLERS, register
 from shardlab.tensor.aten import _common as c
 from shardlab.tensor.aten.fallback import replicate_and_run
@@ -54,10 +54,15 @@ def dispatch(func, args, kwargs):
         decided = decisions.lookup(key)
         if decided is not None:  # decided before for this signature: replay
             try:
-                return decided(func, args, kwargs)
+                out = decided(func, args, kwargs)
             except decisions.Stale:  # not for these blocks (a view of strided ones)
                 pass
+            else:
+                if nograd._WATCH[0] is not None:  # a torch function being learnt
+                    nograd.seen(decided, func, out)
+                return out
     traced.check(func, args, kwargs)  # dynamo's stand-ins (never a key): a graph break
+    nograd.seen(None, func, None)
     with decisions.deciding():
         return _decide(key, func, args, kwargs)
 
