@@ -409,7 +409,7 @@ class ShardTensor(DTensor):
                 return _EAGER_TD[0](cls, func, types, args, kwargs)
         elif traced.COMPILED and torch.compiler.is_compiling():  # dynamo's fake blocks
             traced.check_ranks(func, args, kwargs)
-        return (_DISPATCH or _dispatch())[0](func, args, kwargs or {})  # checks stand-ins
+        return (_DISPATCH or _dispatch())[0](func, args, kwargs or _NO_KWARGS)  # checks stand-ins
 
 
 # the two entry points again, as traced.eager makes them for a call under dynamo

@@ -5,13 +5,15 @@ torch's meta kernel on the global shapes, the rule's layout arithmetic, specs, s
 All of it is a pure function of the op's *signature*::
 
     (op,  for every argument:
-            ShardTensor   -> its mesh, layout (placements and every shard size),
-                             global strides, dtype, requires_grad
+            ShardTensor   -> its spec (mesh, global shape, strides, dtype), its layout
+                             (placements and every shard size), requires_grad
             plain tensor  -> shape, strides, dtype, device, requires_grad
             anything else -> its type and value (ints of a view, a dim, a dtype …))
 
-(the op and each mesh by identity, ``id``: a C hash; each decision holds them alive, so an
-id in a kept key can never be another object's), so it is computed once per signature and
+(the op, each spec and each layout by identity, ``id``: C hashes, where a layout's own hash
+is Python code. shardlab builds one spec and one layout object per value, so equal values
+are the same objects; each decision holds the objects of its key alive, so an id in a kept
+key can never be another object's), so it is computed once per signature and
 kept (a bounded table, the oldest entry dropped first). A hit costs one pass over the
 arguments to build the key, the local call and the wrap: no meta run, no rule, no spec
 built. Anything the key cannot hold (a plain DTensor to adopt first, an unhashable
@@ -40,8 +42,8 @@ from shardlab.tensor import traced
 __all__ = [
     "BLOCKS", "Decomposed", "LocalCall", "LocalExpand", "LocalInplace", "LocalReshape",
     "LocalSlice", "LocalSliceBackward",
-    "LocalView", "Stale", "clear", "decided", "deciding", "depth", "lookup", "remember",
-    "signature",
+    "LocalView", "Stale", "clear", "decided", "deciding", "depth", "hold", "lookup", "named",
+    "remember", "signature",
 ]  # fmt: skip
 
 BLOCKS = "blocks"  # a move: a list of ShardTensors (cat's), each block as it is (and
@@ -127,13 +129,13 @@ def signature(func, args, kwargs):
         # a ShardTensor's stride(), dtype and requires_grad each call its
         # __torch_function__ (~1 us each, more than the rest of the key): read them in C
         with _NO_TORCH_FUNCTION():
-            key = [id(func)]  # ids (C hashes): the decision holds func and the meshes alive
+            key = [id(func)]  # ids (C hashes): the decision holds what they name alive
             for a in args:
                 if type(a) is st:  # the common case, inline
                     layout = a._layout
                     if layout is None:
                         return None  # a traced stand-in: the full path breaks the graph
-                    key.append((st, id(a._spec.mesh), layout, a.stride(), a.dtype, a.requires_grad))
+                    key.append((st, id(a._spec), id(layout), a.requires_grad))
                 elif type(a) is list:
                     if _all_ints(a):  # sizes, dims (view, sum, permute)
                         key.append((list, _INTS, *a))
@@ -141,10 +143,7 @@ def signature(func, args, kwargs):
                     items = [list]  # tensors (cat's): as _sig has them, inline
                     for v in a:
                         if type(v) is st and v._layout is not None:
-                            items.append(
-                                (st, id(v._spec.mesh), v._layout, v.stride(), v.dtype,
-                                 v.requires_grad)
-                            )  # fmt: skip
+                            items.append((st, id(v._spec), id(v._layout), v.requires_grad))
                         else:
                             items.append(_sig(v, st))
                     key.append(tuple(items))
@@ -157,6 +156,32 @@ def signature(func, args, kwargs):
     except _Uncacheable:
         return None
     return tuple(key)  # hashed once, by the lookup (which returns None if it cannot)
+
+
+def named(args, kwargs) -> tuple:
+    """The objects a key of a call on ``args``/``kwargs`` names by id besides the op:
+    every ShardTensor's spec (its mesh in it) and layout."""
+    st = _ST or _shard_tensor()
+    out = []
+
+    def visit(a):
+        if type(a) is st:
+            out.extend((a._spec, a._layout))
+        elif type(a) in (list, tuple):
+            for v in a:
+                visit(v)
+
+    for a in (*args, *kwargs.values()):
+        visit(a)
+    return tuple(out)
+
+
+def hold(key, before, objects: tuple) -> None:
+    """The decision kept for ``key`` since ``before`` (the one kept before the call, or
+    None) holds ``objects`` alive: those its key names by id."""
+    kept = lookup(key)
+    if kept is not None and kept is not before:
+        kept.anchors = (*kept.anchors, *objects)
 
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
@@ -180,7 +205,7 @@ def _sig(a, st):
     if t is st:
         if a._layout is None:
             raise _Uncacheable  # a traced stand-in
-        return (st, id(a._spec.mesh), a._layout, a.stride(), a.dtype, a.requires_grad)
+        return (st, id(a._spec), id(a._layout), a.requires_grad)
     if isinstance(a, torch.Tensor):
         if isinstance(a, torch.distributed.tensor.DTensor) or t not in (
             torch.Tensor,
@@ -217,7 +242,7 @@ class LocalCall:
         self.still = all(m is None for m in self.moves)  # nothing moves: blocks as they are
         # only lists of blocks taken as they are (cat's), nothing else moves
         self.lists = not self.still and all(m is None or m is BLOCKS for m in self.moves)
-        self.anchors = tuple(anchors)  # the op and meshes whose ids are in the key: alive
+        self.anchors = tuple(anchors)  # what the ids in the key name: kept alive
         self.local = local  # what runs on the blocks instead of the op itself (LocalView)
         me = my_coord(mesh)
         self.outs = tuple(
@@ -229,7 +254,11 @@ class LocalCall:
 
     def __call__(self, func, args, kwargs):
         st = _ST
-        local_args, local_kwargs = self._blocks(args, kwargs, st)
+        if self.still and not kwargs:  # the commonest case, inline
+            local_args = [a._local_tensor if type(a) is st else a for a in args]
+            local_kwargs = kwargs
+        else:
+            local_args, local_kwargs = self._blocks(args, kwargs, st)
         if self.local is None:  # (an aten op's C handle: without OpOverload.__call__'s frame)
             op = func._op if type(func) is _OP_OVERLOAD else func
             out = op(*local_args, **local_kwargs)
@@ -240,7 +269,12 @@ class LocalCall:
                 if out is a:
                     out = out.detach()
                     break
-            return self._wrap(func, out, *self.outs[0], st)
+            layout, local_shape, spec, dtype = self.outs[0]
+            if out.dtype != dtype or out.shape != local_shape or out.requires_grad:
+                return self._wrap(func, out, layout, local_shape, spec, dtype, st)  # (checks)
+            wrapped = (_NEW or _compat.dtensor_constructor())[0](st, out, spec, requires_grad=False)
+            wrapped._layout = layout  # (as _wrap, inline: the hit path)
+            return wrapped
         return tuple(self._wrap(func, o, *how, st) for o, how in zip(out, self.outs))
 
     def _wrap(self, func, out, layout, local_shape, spec, dtype, st):

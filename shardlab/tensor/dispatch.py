@@ -36,6 +36,8 @@ from shardlab.tensor.aten.whole import on_blocks, whole_arguments
 
 __all__ = ["dispatch", "register"]
 
+_TABLE = decisions._TABLE  # (read inline: the hit path)
+
 aten = torch.ops.aten
 # ops whose meta run is pointless (no shape arguments to check) or unsupported
 _NO_META = {
@@ -51,7 +53,10 @@ _NO_META = {
 def dispatch(func, args, kwargs):
     key = decisions.signature(func, args, kwargs)
     if key is not None:
-        decided = decisions.lookup(key)
+        try:
+            decided = _TABLE.get(key)
+        except TypeError:  # an unhashable scalar somewhere
+            decided = key = None
         if decided is not None:  # decided before for this signature: replay
             try:
                 out = decided(func, args, kwargs)
@@ -63,8 +68,14 @@ def dispatch(func, args, kwargs):
                 return out
     traced.check(func, args, kwargs)  # dynamo's stand-ins (never a key): a graph break
     nograd.seen(None, func, None)
+    if key is None:
+        with decisions.deciding():
+            return _decide(key, func, args, kwargs)
+    named, before = decisions.named(args, kwargs), decisions.lookup(key)  # (as keyed)
     with decisions.deciding():
-        return _decide(key, func, args, kwargs)
+        out = _decide(key, func, args, kwargs)
+    decisions.hold(key, before, named)
+    return out
 
 
 def _decide(key, func, args, kwargs):

@@ -390,3 +390,46 @@ def test_whole_blocks_keep_decisions_without_moves(ranks_for, world):
 
     for equal, kept, moved in ranks_for(world).run(body):
         assert equal and kept and moved == [], moved
+
+
+def test_every_id_in_a_kept_key_names_an_object_its_decision_holds(ranks_for):
+    """Keys name the op, specs and layouts by ``id``: each kept decision (aten's table and
+    the no-grad table) holds every object its key names, so no id in a kept key can be
+    reused by another object while the key is there."""
+
+    def body():
+        import gc
+
+        from torch.distributed.tensor import Replicate, Shard
+
+        from shardlab import ShardTensor, distribute, this_rank
+        from shardlab.tensor import decisions, nograd
+
+        mesh = this_rank().mesh
+        decisions.clear()
+        for _ in range(3):  # tensors made and dropped: their specs and layouts too
+            a = distribute(torch.randn(3, 7, 2), mesh, [Shard(1)], [[5, 2]])
+            r = distribute(torch.randn(2), mesh, [Replicate()])
+            with torch.no_grad():
+                for _ in range(3):
+                    torch.cat([a * 2, a], -1).sum(-1).softmax(-1).transpose(0, 1) + r[0]
+            (a.requires_grad_() * r).sum().backward()
+            del a, r
+            gc.collect()
+        missing = []
+        for key, kept in decisions._TABLE.items():
+            held = {id(o) for o in kept.anchors}
+            for part in key[1:]:
+                for item in part if type(part) is tuple and part[:1] == (list,) else (part,):
+                    if type(item) is tuple and item[:1] == (ShardTensor,):
+                        missing += [i for i in item[1:3] if i not in held]
+        for key, kept in nograd.TABLE.items():
+            if type(kept) is nograd._Replay:
+                held = {id(o) for o in kept.anchors}
+                ids = [key[i + 1] for i, k in enumerate(key) if k is ShardTensor]
+                ids += [key[i + 2] for i, k in enumerate(key) if k is ShardTensor]
+                missing += [i for i in ids if i not in held]
+        return missing, len(decisions._TABLE), len(nograd.TABLE)
+
+    for missing, n, m in ranks_for(2).run(body):
+        assert missing == [] and n > 0 and m > 0, (missing, n, m)
