@@ -1,9 +1,10 @@
 """The model zoo, run sharded and unchanged: exact or not, what it sends, how long a step takes.
 
-``python benchmarks/bench_zoo.py [--ranks 4] [--models resnet,vit,...]`` prints one row per
-model: ``transformers`` models from small configs (``tests/models/_zoo.py``), float64,
-vision models on pixel values cut along H with uneven sizes, decoders on input ids and
-labels cut along the sequence. A step is forward + backward of the model's own loss.
+``python benchmarks/bench_zoo.py [--ranks 4] [--models resnet,vit,...] [--inference]`` prints
+one row per model: ``transformers`` models from small configs (``tests/models/_zoo.py``),
+float64, vision models on pixel values cut along H with uneven sizes, decoders on input ids
+and labels cut along the sequence. A step is forward + backward of the model's own loss;
+with ``--inference``, the forward alone in eval mode under ``torch.no_grad()``.
 
 * exact: largest difference of logits and of the input gradient (vision) against the same
   step on one device;
@@ -32,13 +33,16 @@ from benchmarks._common import received_bytes  # noqa: E402
 from tests.models import _zoo  # noqa: E402
 
 
-def _step(model, kind, inputs, labels):
+def _step(model, kind, inputs, labels, inference=False):
+    if inference:
+        with torch.no_grad():
+            return model(**inputs, labels=labels)
     out = model(**inputs, labels=labels)
     out.loss.backward()
     return out
 
 
-def body(name: str, repeats: int = 3):
+def body(name: str, repeats: int = 3, inference: bool = False):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
@@ -57,6 +61,8 @@ def body(name: str, repeats: int = 3):
         b, _, h, w = _zoo.IMAGE
         labels = torch.randint(0, 3, (b, h, w)) if kind == "seg" else torch.tensor([1] * b)
         full, dim = {"pixel_values": g}, 2
+    if inference:
+        model.eval()
     # one device (rank 0 alone, on its own copy: the ranks' buffers must stay alike)
     one = None
     if dist.get_rank() == 0:
@@ -70,7 +76,7 @@ def body(name: str, repeats: int = 3):
                 for k, v in full.items()
             }
             t0 = time.perf_counter()
-            ref = _step(single, kind, xs, labels)
+            ref = _step(single, kind, xs, labels, inference)
             times.append(time.perf_counter() - t0)
         one = (
             statistics.median(times[1:]),
@@ -93,11 +99,11 @@ def body(name: str, repeats: int = 3):
             dist.barrier()
             if i == 1:
                 with shardlab.trace() as t:
-                    out = _step(model, kind, st, lab)
+                    out = _step(model, kind, st, lab, inference)
                 events = t.events
             else:
                 t0 = time.perf_counter()
-                out = _step(model, kind, st, lab)
+                out = _step(model, kind, st, lab, inference)
                 times.append(time.perf_counter() - t0)
     logits = out.logits.detach().full_tensor()
     grad = next((v.grad for v in xs.values() if v.is_floating_point()), None)
@@ -119,12 +125,15 @@ def main(argv=None):
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--models", default=",".join(_zoo.VISION + _zoo.DECODERS))
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (median)")
+    parser.add_argument(
+        "--inference", action="store_true", help="the forward alone, eval mode, no grad"
+    )
     args = parser.parse_args(argv)
     ranks = shardlab.Ranks(args.ranks, timeout=120)
     rows = []
     try:
         for name in args.models.split(","):
-            res = ranks.run(body, name, args.repeats)
+            res = ranks.run(body, name, args.repeats, args.inference)
             r0 = res[0]
             err = (r0["logits"] - r0["one_logits"]).abs().max().item()
             if r0["grad"] is not None and r0["one_grad"] is not None:
@@ -149,9 +158,10 @@ def main(argv=None):
             )
     finally:
         ranks.close()
+    step = "forward, eval mode, no grad" if args.inference else "forward + backward of the loss"
     print(
         f"torch {torch.__version__}, {args.ranks} gloo ranks on {os.cpu_count()} cores, float64,"
-        " forward + backward of the model's loss\n"
+        f" {step}\n"
     )
     print(
         "| model | ranks | exact (float64) | collectives / step | messages / step "
