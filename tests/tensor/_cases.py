@@ -34,3 +34,17 @@ def sizes_for(rng, shape, mesh_shape, placements):
             out.append(random_sizes(rng, shape[p.dim], mesh_shape[m]))
             seen[p.dim] = m
     return out
+
+
+def key_variants(g: torch.Tensor, mesh, distribute) -> dict:
+    """``g`` (2, 6, 4) cut [4, 2] along dim 1, and one variant per part of a decision's
+    key: other sizes, shape, dtype, placement, strides (``distribute``: shardlab's)."""
+    return {
+        "sizes": distribute(g, mesh, [Shard(1)], [[3, 3]]),
+        "shape": distribute(g[:, :5], mesh, [Shard(1)], [[3, 2]]),
+        "dtype": distribute(g.double(), mesh, [Shard(1)], [[4, 2]]),
+        "placement": distribute(g, mesh, [Replicate()]),
+        "strides": distribute(g.transpose(0, 2).contiguous(), mesh, [Shard(1)], [[4, 2]]).transpose(
+            0, 2
+        ),
+    }

@@ -123,23 +123,18 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
 
     def body():
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor import Shard
 
         from shardlab import distribute, this_rank
         from shardlab.tensor import decisions
+        from tests.tensor._cases import key_variants
 
         mesh = this_rank().mesh
         other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
         g = torch.randn(2, 6, 4)
         base = distribute(g, mesh, [Shard(1)], [[4, 2]])
         variants = {
-            "sizes": distribute(g, mesh, [Shard(1)], [[3, 3]]),
-            "shape": distribute(g[:, :5], mesh, [Shard(1)], [[3, 2]]),
-            "dtype": distribute(g.double(), mesh, [Shard(1)], [[4, 2]]),
-            "placement": distribute(g, mesh, [Replicate()]),
-            "strides": distribute(
-                g.transpose(0, 2).contiguous(), mesh, [Shard(1)], [[4, 2]]
-            ).transpose(0, 2),  # fmt: skip
+            **key_variants(g, mesh, distribute),
             "requires_grad": distribute(g, mesh, [Shard(1)], [[4, 2]]).requires_grad_(),
             "mesh": distribute(g, other, [Shard(1)], [[4, 2]]),
         }

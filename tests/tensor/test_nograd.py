@@ -197,23 +197,16 @@ def test_autocast_and_modes_take_the_usual_path(ranks_for):
 
 def test_every_part_of_the_key_misses_and_the_table_is_bounded(ranks_for):
     def body():
-        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor import Shard
 
         from shardlab import distribute, this_rank
         from shardlab.tensor import decisions, nograd
+        from tests.tensor._cases import key_variants
 
         mesh = this_rank().mesh
         g = torch.randn(2, 6, 4)
         base = distribute(g, mesh, [Shard(1)], [[4, 2]])
-        variants = {
-            "sizes": distribute(g, mesh, [Shard(1)], [[3, 3]]),
-            "shape": distribute(g[:, :5], mesh, [Shard(1)], [[3, 2]]),
-            "dtype": distribute(g.double(), mesh, [Shard(1)], [[4, 2]]),
-            "placement": distribute(g, mesh, [Replicate()]),
-            "strides": distribute(
-                g.transpose(0, 2).contiguous(), mesh, [Shard(1)], [[4, 2]]
-            ).transpose(0, 2),  # fmt: skip
-        }
+        variants = key_variants(g, mesh, distribute)
         seen = {}
         with torch.no_grad():
             decisions.clear()
