@@ -87,8 +87,8 @@ def call(func, types, args, kwargs):
             if learnt is _VIEW:
                 _never(func)
             else:
-                if type(learnt) is _Replay:
-                    learnt.anchors += _pins(args)
+                if type(learnt) is _Replay:  # (the ids in a kept key name live objects)
+                    learnt.anchors += (func, *decisions.named(args, kwargs))
                 decisions.remember(key, learnt, TABLE)
     finally:
         _WATCH[0] = before
@@ -100,9 +100,10 @@ def _key(func, args, kwargs, grad):
     ids (the spec: mesh, global shape, strides, dtype; the layout: every shard size);
     per scalar its type and value; lists of those between their type and :data:`_END`.
     None when ``grad`` (grad mode) and an argument requires grad, or a scalar cannot
-    be a key. A kept call holds the specs and layouts of its key (:func:`_pins`), so
-    no id in a kept key can be another object's; whether the arguments require grad is
-    not in it (nothing is recorded either way)."""
+    be a key. A kept replay holds the function, specs and layouts of its key, so no id
+    in its key can be another object's (an id reused in a key kept as "not learnt" only
+    sends a call the usual way); whether the arguments require grad is not in it
+    (nothing is recorded either way)."""
     st = decisions._ST
     key = [id(func)]
     with _NO_TORCH_FUNCTION():
@@ -140,17 +141,6 @@ def _scalar(key: list, v) -> bool:
     else:
         key += (t, v)  # the type too: True, 1 and 1.0 are equal values
     return True
-
-
-def _pins(args) -> tuple:
-    """The specs and layouts whose ids are in the key of a call on ``args``."""
-    st = decisions._ST
-    out = []
-    for a in args:
-        for v in a if type(a) in _LISTS else (a,):
-            if type(v) is st:
-                out += (v._spec, v._layout)
-    return tuple(out)
 
 
 _END = object()  # in a key: the end of a list
