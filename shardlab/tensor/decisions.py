@@ -136,6 +136,8 @@ def signature(func, args, kwargs):
                     if layout is None:
                         return None  # a traced stand-in: the full path breaks the graph
                     key.append((st, id(a._spec), id(layout), a.requires_grad))
+                elif type(a) is int:  # a dim, a size (inline: as _sig has it)
+                    key.append((int, a))
                 elif type(a) is list:
                     if _all_ints(a):  # sizes, dims (view, sum, permute)
                         key.append((list, _INTS, *a))
