@@ -53,16 +53,17 @@ def _counting():
         nograd._Replay.__call__ = call
 
 
-def _sweep(seed):
+def _sweep(seed, mesh_shape=None):
     def body():
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Partial, Replicate, Shard
 
         import shardlab
         from shardlab import distribute, this_rank
         from shardlab.tensor import decisions
-        from tests.tensor._cases import random_sizes
+        from tests.tensor._cases import random_sizes, sizes_for
 
-        mesh = this_rank().mesh
+        mesh = this_rank().mesh if mesh_shape is None else init_device_mesh("cpu", mesh_shape)
         rng = random.Random(seed)
         bad, replays = [], 0
         decisions.clear()
@@ -71,11 +72,18 @@ def _sweep(seed):
             g = torch.Generator().manual_seed(seed * 100 + i)
             x, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
             want = op(x, y)
-            places = rng.choice([[Shard(1)], [Shard(1)], [Replicate()], [Partial()]])
-            sx = [random_sizes(rng, shape[1], mesh.size())] if places == [Shard(1)] else None
-            a = distribute(x, mesh, places, sx)
-            sy = sx if places == [Shard(1)] and rng.random() < 0.5 else None
-            b = distribute(y, mesh, [Shard(1)], sy or [random_sizes(rng, shape[1], mesh.size())])
+            if mesh.ndim == 2:  # the batch dim on one mesh dim, the cut dim on the other
+                places = rng.choice([[Shard(0), Shard(1)], [Replicate(), Shard(1)]])
+                sx = sizes_for(rng, shape, tuple(mesh.shape), places)
+                a = distribute(x, mesh, places, sx)
+                b = distribute(y, mesh, places, sx if rng.random() < 0.5 else None)
+            else:
+                places = rng.choice([[Shard(1)], [Shard(1)], [Replicate()], [Partial()]])
+                sx = [random_sizes(rng, shape[1], mesh.size())] if places == [Shard(1)] else None
+                a = distribute(x, mesh, places, sx)
+                sy = sx if places == [Shard(1)] and rng.random() < 0.5 else None
+                sy = sy or [random_sizes(rng, shape[1], mesh.size())]
+                b = distribute(y, mesh, [Shard(1)], sy)
             results = []
             with torch.no_grad(), _counting() as n:
                 for _ in range(4):  # learnt after the aten ops were kept, then replayed
@@ -102,6 +110,13 @@ def _sweep(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_replayed_calls_equal_torch_and_the_usual_path(ranks_for, world, seed):
     for bad, replays in ranks_for(world).run(_sweep(world * 10 + seed)):
+        assert bad == [] and replays > 0, (bad, replays)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 2), (2, 1)])
+def test_replayed_calls_on_2d_meshes(ranks_for, mesh_shape):
+    world = mesh_shape[0] * mesh_shape[1]
+    for bad, replays in ranks_for(world).run(_sweep(70 + world, mesh_shape)):
         assert bad == [] and replays > 0, (bad, replays)
 
 
