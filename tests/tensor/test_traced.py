@@ -426,6 +426,46 @@ def test_one_rank_layouts_are_guarded(ranks_for):
     assert ranks_for(1).run(body) == [([], 3, 0)]
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2])
+def test_scalar_arguments_that_change_between_calls(ranks_for, world):
+    """A float and an int argument whose values change between calls (an ``eps``, a
+    scale): dynamo turns them into symbolic scalars after the first change, and the
+    compiled sharded call stays exact with each value, forward and backward (on one
+    rank the scalars reach shardlab's decisions symbolic: never keyed, never cached)."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        sizes = [5] if mesh.size() == 1 else [3, 2]
+
+        def fn(x, eps, n):
+            y = (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * x * n
+            return y.narrow(1, 0, 2).sum() + y.sum() / n
+
+        x = torch.randn(2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        bad = []
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend=backend)
+            for eps, n in ((1e-5, 2), (1e-6, 3), (1e-3, 4), (0.5, 3)):
+                want_x = x.clone().requires_grad_()
+                want = fn(want_x, eps, n)
+                want.backward()
+                leaf = x.clone().requires_grad_()
+                got = compiled(shardlab.distribute(leaf, mesh, [Shard(1)], sizes), eps, n)
+                got.backward()
+                same = torch.allclose(got.full_tensor(), want)
+                if not (same and torch.allclose(leaf.grad, want_x.grad)):
+                    bad.append((backend, eps, n))
+        return bad
+
+    assert ranks_for(world).run(body) == [[]] * world
+
+
 def test_placements_compare_layouts():
     """The flatten format's placements tell layouts apart by their shard sizes (no
     process group): what dynamo's guard on the spec compares."""

@@ -278,7 +278,21 @@ def meta_of(x):
         return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, _SYMBOLIC):  # a scalar dynamo traces (a float argument that changed
+        return _hint(x)  # between calls): its value now, read without a guard
     return x
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _hint(x):
+    """A symbolic scalar's value in this call (no guard added: torch's checks on the
+    meta copies see a plain number of the same type)."""
+    hint = x.node.hint
+    if hint is None:  # unbacked: any value of its type
+        hint = {torch.SymInt: 1, torch.SymFloat: 1.0, torch.SymBool: True}[type(x)]
+    return hint
 
 
 class _NoMeta(Exception):
@@ -306,6 +320,8 @@ def _key(x):
         return ("D", *((k, _key(v)) for k, v in sorted(x.items())))
     if isinstance(x, float) and x != x:
         return ("nan",)
+    if isinstance(x, _SYMBOLIC):
+        raise TypeError("a symbolic scalar: no cached meta result")
     hash(x)  # anything unhashable: no caching
     return (type(x).__name__, x)
 
