@@ -366,6 +366,9 @@ class ShardTensor(DTensor):
         compiling = traced.COMPILED and torch.compiler.is_compiling()
         if compiling and func not in _OWN_CALLS:
             if traced.one_rank(args, kwargs):  # traced: nothing to lift (see traced.py)
+                pooled = traced.pooled_mean(func, args, kwargs or _NO_KWARGS)
+                if pooled is not None:
+                    return pooled
                 return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
         if func not in _OWN_CALLS and (not kwargs or _scalar_kwargs(kwargs)):
             # the common case in one pass: ShardTensors of one mesh (no stand-in) and

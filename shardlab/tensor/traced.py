@@ -34,8 +34,8 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 
 __all__ = [
     "COMPILED", "TRACEABLE", "Placements", "check", "check_ranks", "eager", "entry",
-    "faked", "graph_break", "layout_of", "one_rank", "outside_modes", "placements", "prepare",
-    "tracing",
+    "faked", "graph_break", "layout_of", "one_rank", "outside_modes", "placements",
+    "pooled_mean", "prepare", "tracing",
 ]  # fmt: skip
 
 tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is installed
@@ -216,6 +216,39 @@ def one_rank(args, kwargs) -> bool:
                         return False
                     seen = True
     return seen
+
+
+def pooled_mean(func, args, kwargs):
+    """``F.adaptive_avg_pool{1,2,3}d(x, 1)`` on a traced ShardTensor of one rank as
+    ``x.mean(last dims, keepdim=True)``, else None.
+
+    torch computes exactly that mean, then restrides it in place (``as_strided_``) when
+    ``x`` looks channels-last: a transposed ``(B, L, C)`` before a pooler (Swin's). The
+    values are the same, but a wrapper subclass cannot be functionalized through that
+    in-place restride (DTensor fails there too), so compiled code takes the mean."""
+    n = _POOLS.get(getattr(func, "__wrapped__", func))
+    if n is None:
+        return None
+    x = args[0] if args else kwargs.get("input")
+    size = args[1] if len(args) > 1 else kwargs.get("output_size")
+    if len(args) + len(kwargs) != 2 or not isinstance(x, torch.Tensor):
+        return None
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size]
+    if sizes not in ([1], [1] * n) or x.ndim not in (n + 1, n + 2):
+        return None
+    if not (x.is_floating_point() or x.is_complex()):
+        return None  # torch's own error
+    return x.mean(tuple(range(-n, 0)), keepdim=True)
+
+
+def _pools() -> dict:
+    import torch.nn.functional as F
+
+    return {torch.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
+            torch._C._nn.adaptive_avg_pool2d: 2, torch._C._nn.adaptive_avg_pool3d: 3}  # fmt: skip
+
+
+_POOLS = _pools()
 
 
 def check_ranks(func, args, kwargs) -> None:

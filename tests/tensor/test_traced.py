@@ -337,7 +337,7 @@ needs_traceable = pytest.mark.skipif(
 
 @needs_traceable
 def test_one_rank_models_compile_to_one_graph(ranks_for):
-    """The zoo's ResNet, ViT and Llama on one rank, compiled unchanged: one graph, no
+    """The zoo's ResNet, ViT, Swin and Llama on one rank, compiled unchanged: one graph, no
     graph break, logits and every gradient (plain tensors, as eagerly) equal to the
     uncompiled sharded step and to one device."""
     pytest.importorskip("transformers")
@@ -352,7 +352,12 @@ def test_one_rank_models_compile_to_one_graph(ranks_for):
 
         mesh = shardlab.this_rank().mesh
         bad = []
-        for name, backend in (("resnet", "aot_eager"), ("vit", "aot_eager"), ("llama", "inductor")):
+        for name, backend in (
+            ("resnet", "aot_eager"),
+            ("vit", "aot_eager"),
+            ("swin", "aot_eager"),
+            ("llama", "inductor"),
+        ):
             model, full, labels, dim = _zoo_batch(name)
 
             def step(m, sharded, full=full, labels=labels, dim=dim):
@@ -464,6 +469,54 @@ def test_scalar_arguments_that_change_between_calls(ranks_for, world):
         return bad
 
     assert ranks_for(world).run(body) == [[]] * world
+
+
+@needs_traceable
+def test_one_rank_global_pooling_of_a_transposed_tensor(ranks_for):
+    """``adaptive_avg_pool{1,2,3}d(x, 1)`` of a tensor that looks channels-last (a
+    transposed ``(B, L, C)``: Swin's pooler) compiles on one rank, in one graph, equal to
+    torch forward and backward (torch restrides that mean in place, which a wrapper
+    subclass cannot be functionalized through: the traced path takes the mean)."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        pool = torch.nn.AdaptiveAvgPool1d(1)
+        fns = {
+            "1d": ((2, 6, 16), lambda t: F.adaptive_avg_pool1d(t.transpose(1, 2), 1)),
+            "1d module": ((2, 6, 16), lambda t: pool(t.transpose(1, 2)).flatten(1)),
+            "2d": ((2, 5, 4, 3), lambda t: F.adaptive_avg_pool2d(t.permute(0, 3, 1, 2), 1)),
+            "3d": ((2, 3, 2, 4, 3), lambda t: F.adaptive_avg_pool3d(t.movedim(-1, 1), (1, 1, 1))),
+            "2d (1, 2)": ((2, 5, 4, 3), lambda t: F.adaptive_avg_pool2d(t.movedim(-1, 1), (1, 2))),
+        }
+        bad = []
+        for backend in ("aot_eager", "inductor"):
+            for name, (shape, fn) in fns.items():
+                x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator())
+                want_x = x.clone().requires_grad_()
+                want = fn(want_x)
+                (want * want).sum().backward()
+                torch._dynamo.reset()
+                counters.clear()
+                leaf = x.clone().requires_grad_()
+                with shardlab.patched():
+                    got = torch.compile(fn, backend=backend)(
+                        shardlab.distribute(leaf, mesh, [Shard(1)])
+                    )
+                    (got * got).sum().backward()
+                same = torch.allclose(got.full_tensor(), want) and torch.allclose(
+                    leaf.grad, want_x.grad
+                )
+                if not same or sum(counters["graph_break"].values()):
+                    bad.append((backend, name))
+        return bad
+
+    assert ranks_for(1).run(body) == [[]]
 
 
 def test_placements_compare_layouts():

@@ -78,7 +78,8 @@ def view_to(x, shape, what: str = "view", copy: bool = False, op=None):
             local.view(local_shape) if not copy else local.reshape(local_shape), x.device_mesh, out
         )
         viewed = not copy
-    except RuntimeError:  # a non-viewable local block (a strided local tensor): copy
+    except (RuntimeError, ValueError):  # a non-viewable block (strided): copy (a fake
+        # block under torch.compile says so with a ValueError)
         y, viewed = c.wrap(local.reshape(local_shape), x.device_mesh, out), False
         if x is base:
             return c.copied_local(y, base)
