@@ -265,6 +265,19 @@ def check_ranks(func, args, kwargs) -> None:
 
     from shardlab.tensor.aten._common import tree_leaves
 
+    dynamo, symbolic = False, None  # dynamo's fake blocks; a symbolic int or float
     for a in tree_leaves((args, kwargs)):
-        if type(getattr(a, "_local_tensor", None)) is FakeTensor and a.device_mesh.size() != 1:
-            graph_break(f"{func} on a ShardTensor cut over several ranks")
+        if type(getattr(a, "_local_tensor", None)) is FakeTensor:
+            if a.device_mesh.size() != 1:
+                graph_break(f"{func} on a ShardTensor cut over several ranks")
+            dynamo = True
+        elif isinstance(a, _SYMBOLIC):
+            symbolic = a
+    if dynamo and symbolic is not None and torch.Tag.pointwise not in func.tags:
+        # an int dynamo made dynamic (``dynamic=True``, or a value that changed): a
+        # layout holds numbers, so the op runs eagerly (a scalar of an element-wise op
+        # changes no shape: it stays in the graph)
+        graph_break(f"{func} with a symbolic argument ({symbolic})")
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)

@@ -519,6 +519,46 @@ def test_one_rank_global_pooling_of_a_transposed_tensor(ranks_for):
     assert ranks_for(1).run(body) == [[]]
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2])
+def test_dynamic_ints_in_sizes_never_fail(ranks_for, world):
+    """``torch.compile(dynamic=True)`` makes int arguments symbolic: an op whose layout
+    needs one (a slice ``[-n:]``, a view) runs eagerly instead (GPT-2's
+    ``logits_to_keep`` slice failed to compile with a TypeError), and every call is
+    exact, forward and backward."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        sizes = [6] if mesh.size() == 1 else [4, 2]
+
+        def fn(x, n):
+            y = x[:, -n:].reshape(x.shape[0], -1) * n  # (2, 4 n)
+            return y.sum(-1) + x.narrow(2, 0, 2).mean() / n
+
+        x = torch.randn(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        bad = []
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend=backend, dynamic=True)
+            for n in (1, 3, 2, 5):
+                want_x = x.clone().requires_grad_()
+                want = fn(want_x, n)
+                want.sum().backward()
+                leaf = x.clone().requires_grad_()
+                got = compiled(shardlab.distribute(leaf, mesh, [Shard(1)], sizes), n)
+                got.sum().backward()
+                same = torch.allclose(got.full_tensor(), want)
+                if not (same and torch.allclose(leaf.grad, want_x.grad)):
+                    bad.append((backend, n))
+        return bad
+
+    assert ranks_for(world).run(body) == [[]] * world
+
+
 def test_placements_compare_layouts():
     """The flatten format's placements tell layouts apart by their shard sizes (no
     process group): what dynamo's guard on the spec compares."""
