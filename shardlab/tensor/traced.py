@@ -273,6 +273,9 @@ def check_ranks(func, args, kwargs) -> None:
             dynamo = True
         elif isinstance(a, _SYMBOLIC):
             symbolic = a
+    if dynamo and _SAVES_MESH and torch.Tag.nondeterministic_seeded in func.tags:
+        if _in_checkpointed_region():  # (attention's kernels are tagged so)
+            graph_break(f"{func} in an activation-checkpointed region (torch < 2.15)")
     if dynamo and symbolic is not None and torch.Tag.pointwise not in func.tags:
         # an int dynamo made dynamic (``dynamic=True``, or a value that changed): a
         # layout holds numbers, so the op runs eagerly (a scalar of an element-wise op
@@ -281,3 +284,24 @@ def check_ranks(func, args, kwargs) -> None:
 
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+# torch 2.13-2.14: AOTAutograd saves the mesh (DTensor's opaque flatten attribute) as a
+# tensor for the backward of a checkpointed region holding a random-tagged op (its RNG
+# state is saved for the recomputation), and the first call fails ("expected all
+# tensors_saved_with_vc_check to be Tensors"); fixed in 2.15. Such an op runs eagerly there.
+_SAVES_MESH = (
+    (2, 13) <= tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15)
+)
+
+
+def _in_checkpointed_region() -> bool:
+    """Is dynamo tracing the body of ``torch.utils.checkpoint`` (its higher-order op)?"""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    tracer = getattr(getattr(tx, "output", None), "current_tracer", None)
+    while tracer is not None:
+        if "checkpoint" in str(getattr(tracer, "source_target", "")):
+            return True
+        tracer = getattr(tracer, "parent", None)
+    return False

@@ -559,6 +559,52 @@ def test_dynamic_ints_in_sizes_never_fail(ranks_for, world):
     assert ranks_for(world).run(body) == [[]] * world
 
 
+@needs_traceable
+def test_one_rank_checkpointed_attention_compiles(ranks_for):
+    """Attention inside ``torch.utils.checkpoint`` (a transformer block under activation
+    checkpointing), compiled on one rank: equal to torch forward and backward (on torch
+    2.13-2.14 the attention kernel runs eagerly there: ``traced._SAVES_MESH``)."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+        from torch.utils.checkpoint import checkpoint
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        torch.manual_seed(0)
+        proj = torch.nn.Linear(4, 4).double()
+
+        def block(t):  # (B, H, S, D)
+            a = F.scaled_dot_product_attention(proj(t), t, t, is_causal=True)
+            return F.layer_norm(a + t, (4,))
+
+        def fn(t):
+            return checkpoint(block, t, use_reentrant=False).pow(2).sum()
+
+        x = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=torch.Generator())
+        bad = []
+        for backend in ("aot_eager", "inductor"):
+            want_x = x.clone().requires_grad_()
+            fn(want_x).backward()
+            want_w, proj.weight.grad = proj.weight.grad, None
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend=backend)
+            for _ in range(2):
+                leaf = x.clone().requires_grad_()
+                with shardlab.patched():
+                    got = compiled(shardlab.distribute(leaf, mesh, [Shard(2)]))
+                    got.backward()
+                same = torch.allclose(leaf.grad, want_x.grad)
+                if not (same and torch.allclose(proj.weight.grad, want_w)):
+                    bad.append(backend)
+                proj.weight.grad = None
+        return bad
+
+    assert ranks_for(1).run(body) == [[]]
+
+
 def test_placements_compare_layouts():
     """The flatten format's placements tell layouts apart by their shard sizes (no
     process group): what dynamo's guard on the spec compares."""
