@@ -412,7 +412,38 @@ class ShardTensor(DTensor):
                 return _EAGER_TD[0](cls, func, types, args, kwargs)
         elif traced.COMPILED and torch.compiler.is_compiling():  # dynamo's fake blocks
             traced.check_ranks(func, args, kwargs)
+        if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
+            return _normal_view(func, args, kwargs or _NO_KWARGS)
         return (_DISPATCH or _dispatch())[0](func, args, kwargs or _NO_KWARGS)  # checks stand-ins
+
+
+_INFERENCE_MODE = torch.is_inference_mode_enabled
+_TRACKED: dict = {}  # aten view op -> does autograd's view bookkeeping see its result?
+
+
+def _tracked_view(func) -> bool:
+    """A view op with an ADInplaceOrView kernel (``view``, ``transpose``, ``detach``):
+    its result is made an alias of its input (a composite one, ``flatten``, is not)."""
+    hit = _TRACKED.get(func)
+    if hit is None:
+        hit = _TRACKED[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "ADInplaceOrView"
+        )
+    return hit
+
+
+def _normal_view(func, args, kwargs):
+    """A view op inside ``torch.inference_mode()`` of a ShardTensor made outside it: torch
+    gives a normal tensor there (a view sharing its base's version counter); made in the
+    mode, the result would be an inference tensor, which autograd's view bookkeeping
+    refuses ("Cannot set version_counter for inference tensor": DTensor's case)."""
+    dispatch = (_DISPATCH or _dispatch())[0]
+    with torch._C.DisableTorchFunctionSubclass():
+        inference = args[0].is_inference()
+    if inference:
+        return dispatch(func, args, kwargs)
+    with torch.inference_mode(False):
+        return dispatch(func, args, kwargs)
 
 
 # the two entry points again, as traced.eager makes them for a call under dynamo

@@ -56,6 +56,36 @@ def test_views_move_nothing_and_equal_torch(ranks_for, world):
             assert same and grad and counts == {}, (name, counts)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_views_inside_inference_mode(ranks_for, world):
+    """Inside ``torch.inference_mode()``, a view of a ShardTensor made outside it is a
+    normal tensor, as torch's view of a normal tensor (DTensor raises "Cannot set
+    version_counter for inference tensor" there: GPT-2, BERT and OPT reshape their ids);
+    other ops give inference tensors, as torch; the values equal torch's."""
+
+    def body():
+        mesh = this_rank().mesh
+        g = torch.randn(2, 7, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        sizes = [7] if world == 1 else [5, 2]
+        ops = [*VIEWS, ("detach", lambda x: x.detach()), ("unbind", lambda x: x.unbind(0)[1]),
+               ("t of a slice", lambda x: x[1].t()), ("add", lambda x: x + 1),
+               ("sum", lambda x: x.sum(1))]  # fmt: skip
+        bad = []
+        for name, fn in ops:
+            for inside in (False, True):  # made outside, or inside the mode
+                with torch.inference_mode(inside):
+                    st = distribute(g, mesh, [Shard(1)], sizes)
+                    ref = g.clone()
+                with torch.inference_mode():
+                    y, want = fn(st), fn(ref)
+                    full = y.full_tensor()
+                if not torch.allclose(full, want) or y.is_inference() != want.is_inference():
+                    bad.append((name, inside))
+        return bad
+
+    assert ranks_for(world).run(body) == [[]] * world
+
+
 def test_blocked_views_move_exactly_the_rows_that_change_owner(ranks_for):
     """(12, 2) cut [5, 7] viewed as (3, 4, 2): pieces must be multiples of 4; the
     cheapest fix moves row 4 to rank 1 (one row of 2 float64 = 16 bytes), no more.
