@@ -22,6 +22,7 @@ from torch.distributed.tensor import Partial, Shard
 
 from shardlab.layout._windows import blocks_of
 from shardlab.tensor import collectives, traced
+from shardlab.tensor._once import first_order
 from shardlab.tensor.recompute import fenced
 from shardlab.trace import label
 
@@ -244,6 +245,7 @@ class AllReduceSum(torch.autograd.Function):
         return _all_reduce(t, groups, cause, "forward")
 
     @staticmethod
+    @first_order("a sharded reduction (pooling, norms)")
     def backward(ctx, grad):
         return _all_reduce(grad, ctx.groups, ctx.cause, "backward"), None, None
 
@@ -261,6 +263,7 @@ class _SumGrads(torch.autograd.Function):
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
+    @first_order("a sharded reduction (pooling, norms)")
     def backward(ctx, *grads):
         grads = [
             g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)

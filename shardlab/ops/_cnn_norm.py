@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlab.ops._cnn_common import _all_reduce, summed_together
+from shardlab.tensor._once import first_order
 from shardlab.tensor.recompute import fenced, kept
 
 
@@ -82,6 +83,7 @@ class SyncNorm(torch.autograd.Function):
         return y, mean, var
 
     @staticmethod
+    @first_order("batch/group/instance norm")
     def backward(ctx, dy, _dmean, _dvar):
         x, w, mean, rstd = kept(ctx)
         spec = ctx.spec
@@ -137,6 +139,7 @@ class RowsNorm(torch.autograd.Function):
         return ShardTensor._wrap(y, ctx.mesh, ctx.layout)
 
     @staticmethod
+    @first_order("layer norm")
     def backward(ctx, grad):
         from shardlab.tensor.api import ShardTensor, _local_of
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from shardlab.ops.halo import keep_for_send_back, post_halo, send_back, simple_window
+from shardlab.tensor._once import first_order
 from shardlab.tensor.recompute import fenced, kept
 
 aten = torch.ops.aten
@@ -124,6 +125,7 @@ class OverlappedConv(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("convolution (halos overlapped)")
     def backward(ctx, gy):
         window, w, *recv_bufs = kept(ctx)
         if ctx.rebuild:

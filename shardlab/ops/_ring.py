@@ -57,6 +57,7 @@ from shardlab.ops._ring_blocks import (
     merge,
     once,
 )
+from shardlab.tensor._once import first_order
 from shardlab.tensor.comm import post
 from shardlab.tensor.recompute import fenced, kept
 from shardlab.trace import label
@@ -311,6 +312,7 @@ class RingAttention(torch.autograd.Function):
         return _layout_like(out, ctx.strides[0])
 
     @staticmethod
+    @first_order("ring attention (scaled_dot_product_attention)")
     def backward(ctx, dout):
         q, k, v, out, lse = kept(ctx)[:5]
         mask_grad = ctx.needs_input_grad[4]

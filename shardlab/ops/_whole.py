@@ -161,6 +161,8 @@ class _Blocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from shardlab.tensor.api import ShardTensor
+        from shardlab.tensor.api import ShardTensor, from_layout
 
+        if records(grads):  # a double backward is recorded (create_graph=True)
+            return tuple(from_layout(g, m, lay) for g, (m, lay) in zip(grads, ctx.how))
         return tuple(ShardTensor._wrap(g, m, lay) for g, (m, lay) in zip(grads, ctx.how))

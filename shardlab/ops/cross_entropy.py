@@ -62,6 +62,7 @@ from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import groups_over
 from shardlab.ops.registry import register
 from shardlab.tensor import collectives, comm
+from shardlab.tensor._once import first_order
 from shardlab.tensor.api import from_layout
 from shardlab.tensor.aten._common import replicate_layout
 from shardlab.tensor.recompute import fenced, kept
@@ -241,6 +242,7 @@ class _CrossEntropy(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("cross_entropy")
     def backward(ctx, grad):
         plan, wv, cd = ctx.plan, ctx.wv, ctx.plan.cd
         g = ((grad.unsqueeze(cd) if plan.reduction == "none" else grad) / ctx.denom).to(grad)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.layout import ConvPlan
+from shardlab.tensor._once import first_order
 from shardlab.tensor.comm import post
 from shardlab.tensor.recompute import fenced
 from shardlab.trace import label
@@ -113,6 +114,7 @@ class Halo(torch.autograd.Function):
         return window
 
     @staticmethod
+    @first_order("the halo exchange (convolution, pooling)")
     def backward(ctx, grad):
         return send_back(ctx, grad), None, None, None, None, None, None, None, None
 

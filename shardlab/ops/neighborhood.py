@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 
 from shardlab.layout.neighborhood import check_dim, neighborhood_plan, neighbors
+from shardlab.tensor._once import first_order
 from shardlab.tensor.recompute import fenced, kept
 
 __all__ = ["na1d", "na2d", "na3d", "neighborhood_attention"]
@@ -228,6 +229,7 @@ class _NA(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("neighborhood attention")
     def backward(ctx, g):
         q, k, v, p = kept(ctx)
         index, slots, scale = ctx.index, ctx.slots, ctx.scale

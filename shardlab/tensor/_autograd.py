@@ -1,7 +1,13 @@
 """The autograd Functions between a rank's block and its ShardTensor: ``from_local`` and
 ``to_local`` (a view each way; the gradient laid out as the forward's), ``redistribute``
 (its backward moves the gradient back to the source layout); :func:`records`: whether
-autograd records a call at all (the handlers skip their Functions when it does not)."""
+autograd records a call at all (the handlers skip their Functions when it does not).
+
+Double backward (``create_graph=True``: a gradient penalty): these Functions are linear,
+and their backward is itself differentiable when the gradient has a history. The sharded
+ops' Functions (halos, rings, norms, cross-entropy) compute their backward on blocks and
+are marked :func:`~shardlab.tensor._once.first_order`: differentiating their backward
+raises a clear error, never a silently missing term."""
 
 from __future__ import annotations
 
@@ -28,6 +34,11 @@ def records(values) -> bool:
     return False
 
 
+def _graph(grad) -> bool:
+    """A double backward is being recorded through ``grad`` (it has a history)."""
+    return torch.is_grad_enabled() and records((grad,))
+
+
 class _FromLocalAlone(torch.autograd.Function):
     """:class:`_FromLocal` on a mesh of one rank: no message can be sent, so no fence."""
 
@@ -38,7 +49,7 @@ class _FromLocalAlone(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _local_of(grad, _grad_layout(ctx.sharding), ctx.mesh), None, None, None
+        return local_of(grad, _grad_layout(ctx.sharding), ctx.mesh), None, None, None
 
 
 @fenced
@@ -54,6 +65,10 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if _graph(grad):  # differentiable again (create_graph=True)
+            from shardlab.tensor.api import from_layout
+
+            return from_layout(grad, ctx.mesh, ctx.sharding), None
         return ShardTensor._wrap(grad, ctx.mesh, ctx.sharding), None
 
 
@@ -71,7 +86,19 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         target = _grad_layout(ctx.src)
+        if _graph(grad) and isinstance(grad, ShardTensor):  # differentiable again
+            return _Redistribute.apply(grad, target, "redistribute backward"), None, None
         return ShardTensor._wrap(_local_of(grad, target, ctx.mesh), ctx.mesh, target), None, None
+
+
+def local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
+    """:func:`_local_of`, differentiable when ``grad`` has a history (a double backward
+    is being recorded): the moves and the block taken by autograd Functions."""
+    if _graph(grad) and isinstance(grad, ShardTensor):
+        if grad._layout != layout:
+            grad = _Redistribute.apply(grad, layout, "redistribute backward")
+        return _ToLocal.apply(grad, _grad_layout(layout))
+    return _local_of(grad, layout, mesh)
 
 
 def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:

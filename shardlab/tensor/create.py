@@ -10,8 +10,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout
 from shardlab.tensor import comm, traced
-from shardlab.tensor._autograd import _local_of
+from shardlab.tensor._autograd import local_of
 from shardlab.tensor._checks import _check_device, _mesh, _placements
+from shardlab.tensor._once import first_order
 from shardlab.tensor.api import ShardTensor, _grad_layout
 from shardlab.tensor.recompute import fenced
 
@@ -88,10 +89,11 @@ class _Scatter(torch.autograd.Function):
         return ShardTensor._wrap(local, mesh, layout)
 
     @staticmethod
+    @first_order("scatter_tensor")
     def backward(ctx, grad):
         from shardlab.trace import label
 
-        local = _local_of(grad, _grad_layout(ctx.sharding), ctx.mesh)
+        local = local_of(grad, _grad_layout(ctx.sharding), ctx.mesh)
         with label("scatter_tensor backward"):
             full = _gather_blocks(local, ctx.src, ctx.mesh, ctx.sharding)
         return (
@@ -197,4 +199,4 @@ class _Distribute(torch.autograd.Function):
             ctx.sharding.mesh_shape,
             [Replicate()] * len(ctx.sharding.mesh_shape),
         )
-        return _local_of(grad, replicate, ctx.mesh), None, None
+        return local_of(grad, replicate, ctx.mesh), None, None

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
 from shardlab.layout import ShardLayout, moves
+from shardlab.tensor._once import first_order
 from shardlab.tensor.decisions import SCALARS
 from shardlab.tensor.recompute import fenced
 
@@ -38,6 +39,7 @@ class _FromDTensor(torch.autograd.Function):
         return ShardTensor._wrap(dt._local_tensor, dt.device_mesh, layout, stride=dt.stride())
 
     @staticmethod
+    @first_order("a DTensor made a ShardTensor")
     def backward(ctx, grad):
         from shardlab.tensor.api import _grad_layout, _local_of
 

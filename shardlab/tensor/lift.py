@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.layout import ShardLayout
 from shardlab.tensor import submesh
-from shardlab.tensor._autograd import _local_of
+from shardlab.tensor._autograd import local_of
 from shardlab.tensor._checks import _check_device
 from shardlab.tensor.api import _SCALARS, ShardTensor
 from shardlab.tensor.recompute import fenced
@@ -109,7 +109,7 @@ class _Lift(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _local_of(grad, ctx.sharding, ctx.mesh), None, None
+        return local_of(grad, ctx.sharding, ctx.mesh), None, None
 
 
 lift_trainable = _lift_trainable

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab.layout import ShardLayout
+from shardlab.tensor._once import first_order
 from shardlab.tensor.recompute import fenced, kept
 
 
@@ -59,6 +60,7 @@ class _LocalMatmul(torch.autograd.Function):
         return ShardTensor._wrap(y, x.device_mesh, layout)
 
     @staticmethod
+    @first_order("matmul")
     def backward(ctx, dy):
         from shardlab.tensor.api import ShardTensor, _local_of
 

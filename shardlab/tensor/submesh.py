@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab.layout import ShardLayout
+from shardlab.tensor._once import first_order
 from shardlab.tensor.recompute import fenced
 
 __all__ = ["embed", "embed_layout", "hook_sub_mesh", "sub_mesh_dims"]
@@ -104,6 +105,7 @@ class _Embed(torch.autograd.Function):
         return ShardTensor._wrap(a._local_tensor, mesh, layout, stride=a.stride())
 
     @staticmethod
+    @first_order("a sub-mesh DTensor")
     def backward(ctx, grad):
         from shardlab.tensor.api import ShardTensor, _grad_layout, _local_of
 
