@@ -129,10 +129,15 @@ def _wrapper(name: str, original):
 
 def enable() -> None:
     """Patch every name in :data:`~shardlab.patch.PATCHED_NAMES` (a second call changes nothing)."""
+    import torch._dynamo  # noqa: F401  (see below)
     from torch.distributed.tensor import DTensor
 
     import shardlab.ops  # noqa: F401  (registers the handlers)
 
+    # dynamo, imported, records which torch.nn.functional functions it may trace into
+    # (those boolean_dispatch makes, max_pool2d's); imported while they are patched (by
+    # the first op's meta check: torch imports it there), it takes ours for torch's and
+    # later breaks every compiled graph at them. Imported first, before any patch.
     with _LOCK:
         _SHARD_TENSOR[:] = [DTensor]  # ShardTensors and plain DTensors alike
         for name in PATCHED_NAMES:

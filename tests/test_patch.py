@@ -189,3 +189,26 @@ def test_natten_imported_after_enable_routes_shard_tensors(ranks_for, tmp_path):
         assert r["exact"] and "stride=2 is not supported" in r["stride"], r
         assert r["after"] == "natten's own na1d", r
         assert r["again"] == "FunctionWrapper" and r["restored"] == "function", r
+
+
+def test_dynamo_imported_under_patched_still_traces_torch_functions():
+    """torch imports dynamo on the first op it checks (a ShardTensor op's meta check, under
+    ``shardlab.patched()``); imported while ``F.max_pool2d`` is patched, dynamo took the
+    wrapper for torch's function and broke every later compiled graph at it (torch 2.15).
+    A fresh interpreter: dynamo first imported inside ``patched()``, then a plain model
+    compiled outside it has no graph break."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, torch.nn.functional as F, shardlab\n"
+        "with shardlab.patched():\n"
+        "    import torch._dynamo\n"
+        "from torch._dynamo.utils import counters\n"
+        "f = torch.compile(lambda x: F.max_pool2d(x, 2) + F.avg_pool2d(x, 2), backend='eager')\n"
+        "f(torch.randn(1, 1, 4, 4))\n"
+        "print(sum(counters['graph_break'].values()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0"

@@ -471,6 +471,8 @@ _ONE_RANK = {(1,), (1, 1)}  # mesh shapes of one rank (shardlab's meshes have 1 
 
 def _dispatch_rule(cls, func, types, args=(), kwargs=None):
     """torch 2.11 routes ShardTensor ops here (see ``_compat.route_dispatch``)."""
+    if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
+        return _normal_view(func, args, kwargs or _NO_KWARGS)
     return (_DISPATCH or _dispatch())[0](func, args, kwargs or {})
 
 

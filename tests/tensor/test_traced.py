@@ -384,7 +384,7 @@ def test_one_rank_models_compile_to_one_graph(ranks_for):
                 breaks = sum(counters["graph_break"].values())
                 second = step(compiled_model, True)
             if (graphs, breaks) != (1, 0):
-                bad.append((name, "graphs, breaks", graphs, breaks))
+                bad.append((name, "graphs, breaks", graphs, breaks, list(counters["graph_break"])))
             for label, (logits, grads) in (("first", first), ("second", second)):
                 if any(type(g) is not torch.Tensor for g in grads):
                     bad.append((name, label, "a gradient that is not a plain tensor"))
