@@ -35,7 +35,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 __all__ = [
     "COMPILED", "TRACEABLE", "Placements", "check", "check_ranks", "eager", "entry",
     "faked", "graph_break", "layout_of", "one_rank", "outside_modes", "placements",
-    "pooled_mean", "prepare", "tracing",
+    "pooled_mean", "prepare", "SYMBOLIC", "tracing",
 ]  # fmt: skip
 
 tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is installed
@@ -43,7 +43,8 @@ tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is ins
 # torch 2.13 and 2.15 are the versions tried with the layout in the flatten format (2.11's
 # format is another, and there a traced parameter lost its gradient): before 2.13, every
 # ShardTensor that dynamo rebuilds is a stand-in and each op runs eagerly (:func:`check`)
-TRACEABLE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+TRACEABLE = _VERSION >= (2, 13)
 
 
 def graph_break(what: str):
@@ -271,7 +272,7 @@ def check_ranks(func, args, kwargs) -> None:
             if a.device_mesh.size() != 1:
                 graph_break(f"{func} on a ShardTensor cut over several ranks")
             dynamo = True
-        elif isinstance(a, _SYMBOLIC):
+        elif isinstance(a, SYMBOLIC):
             symbolic = a
     if dynamo and _SAVES_MESH and torch.Tag.nondeterministic_seeded in func.tags:
         if _in_checkpointed_region():  # (attention's kernels are tagged so)
@@ -283,15 +284,13 @@ def check_ranks(func, args, kwargs) -> None:
         graph_break(f"{func} with a symbolic argument ({symbolic})")
 
 
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # dynamo's symbolic scalars
 
 # torch 2.13-2.14: AOTAutograd saves the mesh (DTensor's opaque flatten attribute) as a
 # tensor for the backward of a checkpointed region holding a random-tagged op (its RNG
 # state is saved for the recomputation), and the first call fails ("expected all
 # tensors_saved_with_vc_check to be Tensors"); fixed in 2.15. Such an op runs eagerly there.
-_SAVES_MESH = (
-    (2, 13) <= tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15)
-)
+_SAVES_MESH = (2, 13) <= _VERSION < (2, 15)
 
 
 def _in_checkpointed_region() -> bool:

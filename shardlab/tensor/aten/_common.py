@@ -278,12 +278,9 @@ def meta_of(x):
         return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, _SYMBOLIC):  # a scalar dynamo traces (a float argument that changed
+    if isinstance(x, traced.SYMBOLIC):  # a scalar dynamo traces (a float argument that changed
         return _hint(x)  # between calls): its value now, read without a guard
     return x
-
-
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def _hint(x):
@@ -320,7 +317,7 @@ def _key(x):
         return ("D", *((k, _key(v)) for k, v in sorted(x.items())))
     if isinstance(x, float) and x != x:
         return ("nan",)
-    if isinstance(x, _SYMBOLIC):
+    if isinstance(x, traced.SYMBOLIC):
         raise TypeError("a symbolic scalar: no cached meta result")
     hash(x)  # anything unhashable: no caching
     return (type(x).__name__, x)
