@@ -382,9 +382,8 @@ class ShardTensor(DTensor):
                 return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
         traced.check(func, args, kwargs)  # dynamo's stand-ins: a graph break
         kwargs = kwargs or {}
-        if func is torch.Tensor.backward or func is torch.autograd.backward:
-            run = recompute.tensor_backward if func is torch.Tensor.backward else recompute.backward
-            return run(*args, **kwargs)  # with __torch_function__ on (recomputation)
+        if func in _BACKWARDS:  # with __torch_function__ on (recomputation), nothing lifted
+            return _BACKWARDS[func](*args, **kwargs)
         args, kwargs = _lift_trainable(args, kwargs)
         if func in LOSSES or func is torch.nn.functional.cross_entropy:  # exact means
             from shardlab.ops.registry import device_type
@@ -524,8 +523,13 @@ def _scalar_kwargs(kwargs) -> bool:
 _MIXED = object()
 _disabled_torch_function = torch._C._disabled_torch_function_impl
 # what ShardTensor.__torch_function__ does itself rather than pass on to aten
+_BACKWARDS = {
+    torch.Tensor.backward: recompute.tensor_backward,
+    torch.autograd.backward: recompute.backward,
+    torch.autograd.grad: recompute.grad,
+}
 _OWN_CALLS = frozenset(
-    [torch.Tensor.backward, torch.autograd.backward, torch.Tensor.unfold,
+    [*_BACKWARDS, torch.Tensor.unfold,
      torch.nn.functional.cross_entropy, *LOSSES]
 )  # fmt: skip
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from shardlab.tensor import compiled_grads, traced
 
@@ -75,34 +76,86 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     plain parameters next to ShardTensors that its forward had, and save other tensors.
     Handing the engine the roots' gradient edges (not tensors) runs the same backward
     with the state of the caller."""
-    from torch.autograd.graph import get_gradient_edge
+    edges, grads, mesh = _roots(tensors, grad_tensors, "tensors")
+    if inputs is not None:
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        inputs = _edges(inputs)
+    torch.autograd.backward(edges, grads, retain_graph, create_graph, inputs=inputs)
+    if mesh is not None and traced.COMPILED:
+        compiled_grads.plain_gradients(tensors if isinstance(tensors, (list, tuple)) else [tensors])
 
+
+def grad(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    retain_graph=None,
+    create_graph=False,
+    only_inputs=True,
+    allow_unused=None,
+    is_grads_batched=False,
+    materialize_grads=False,
+):
+    """``torch.autograd.grad`` with ShardTensors among ``outputs`` or ``inputs``, as
+    :func:`backward` runs it: on gradient edges, ``__torch_function__`` left on. Passed on
+    as tensors, the plain parameters among ``inputs`` (a conv's weight) would be lifted
+    next to the ShardTensors, as in any call: new tensors, "not used in the graph"."""
+    if materialize_grads and allow_unused is False:
+        raise ValueError(
+            "Expected allow_unused to be True or not passed when materialize_grads=True, "
+            "but got: allow_unused=False."
+        )
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    edges, grads, _ = _roots(outputs, grad_outputs, "outputs", is_grads_batched)
+    result = torch.autograd.grad(
+        edges,
+        _edges(inputs),
+        grads,
+        retain_graph=create_graph if retain_graph is None else retain_graph,
+        create_graph=create_graph,
+        only_inputs=only_inputs,
+        allow_unused=True if materialize_grads else allow_unused,
+        is_grads_batched=is_grads_batched,
+    )
+    if materialize_grads:  # (torch refuses it for edges: done here, for the tensors)
+        result = tuple(
+            torch.zeros_like(t) if r is None and isinstance(t, torch.Tensor) else r
+            for r, t in zip(result, inputs)
+        )
+    return result
+
+
+def _edges(tensors) -> list:
+    return [get_gradient_edge(t) if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+def _roots(tensors, grad_tensors, name, batched=False) -> tuple[list, list, object]:
+    """The gradient edges and gradients of a backward's roots, torch's checks on them, and
+    the mesh of the first ShardTensor among them (None if none); when something was
+    compiled, the extra roots of :func:`compiled_grads.zero_gradients`."""
     tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
     if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
         grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
+    grad_tensors = tuple(grad_tensors)
+    if len(grad_tensors) != len(tensors):
+        raise RuntimeError(f"{name} has {len(tensors)} tensors but {len(grad_tensors)} gradients")
     edges, grads = [], []
     for i, (t, g) in enumerate(zip(tensors, grad_tensors)):
         if not t.requires_grad:
             raise RuntimeError(
-                f"element {i} of tensors does not require grad and does not have a grad_fn"
+                f"element {i} of {name} does not require grad and does not have a grad_fn"
             )
         if g is None:
-            if t.numel() != 1:
+            if t.numel() != 1 or batched:
                 raise RuntimeError("grad can be implicitly created only for scalar outputs")
             g = torch.ones_like(t)
         edges.append(get_gradient_edge(t))
         grads.append(g)
-    if inputs is not None:
-        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        inputs = [get_gradient_edge(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     mesh = next((t.device_mesh for t in tensors if hasattr(t, "_layout")), None)
-    compiled = mesh is not None and traced.COMPILED  # torch.compile was used: see there
-    if compiled:
+    if mesh is not None and traced.COMPILED:  # torch.compile was used: see there
         more = compiled_grads.zero_gradients(tensors, mesh)
         edges, grads = edges + more[0], grads + more[1]
-    torch.autograd.backward(edges, grads, retain_graph, create_graph, inputs=inputs)
-    if compiled:
-        compiled_grads.plain_gradients(tensors)
+    return edges, grads, mesh
 
 
 def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):

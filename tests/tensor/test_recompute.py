@@ -276,3 +276,93 @@ def test_transformers_gradient_checkpointing_enable_llama(ranks_for, reentrant):
         return torch.allclose(logits, ref.logits, rtol=1e-9, atol=1e-12) and bad == []
 
     assert ranks_for(3).run(body) == [True] * 3
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_autograd_grad_of_a_model_with_its_plain_parameters(ranks_for, world, checkpointed):
+    """``torch.autograd.grad(loss, [x, *model.parameters()])`` with x a ShardTensor: the
+    plain parameters are the ones the graph used (they were lifted next to x as new
+    tensors, "not used in the graph"), equal to one device; also with the model's own
+    (non-reentrant) gradient checkpointing, which recomputes inside ``grad``."""
+    pytest.importorskip("transformers")
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        model, _ = _zoo.vision("vit" if checkpointed else "resnet")  # (resnet: no checkpointing)
+        model = model.double().train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        g = torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        labels = torch.tensor([1] * _zoo.IMAGE[0])
+        xr = g.clone().requires_grad_()
+        want = torch.autograd.grad(model(pixel_values=xr, labels=labels).loss, [xr, *params])
+        if checkpointed:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        x = shardlab.distribute(g.clone(), mesh, [Shard(2)], [_zoo.uneven(_zoo.IMAGE[2], world)])
+        x.requires_grad_()
+        with shardlab.patched():
+            got = torch.autograd.grad(model(pixel_values=x, labels=labels).loss, [x, *params])
+        assert all(p.grad is None for p in params)  # grad() accumulates nothing
+        gx = got[0].full_tensor()
+        same = [torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(got[1:], want[1:])]
+        return isinstance(got[0], shardlab.ShardTensor), torch.allclose(gx, want[0]), all(same)
+
+    assert ranks_for(world).run(body) == [(True, True, True)] * world
+
+
+def test_autograd_grad_arguments_as_torch(ranks_for):
+    """``grad_outputs`` for a non-scalar ShardTensor output, ``allow_unused`` (None, or
+    torch's error without it), ``materialize_grads`` (zeros), a dict of inputs,
+    ``retain_graph`` (a second call on the same graph) and ``create_graph`` (a
+    differentiable result), each against the same call on one device, on 2 ranks."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        torch.manual_seed(0)
+        w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+        unused = torch.randn(2, requires_grad=True)
+        g = torch.randn(2, 5, 3, dtype=torch.float64)
+        dy = torch.randn(2, 5, 4, dtype=torch.float64)
+
+        def shard(t):
+            return shardlab.distribute(t, mesh, [Shard(1)], [[3, 2]])
+
+        x0 = g.clone().requires_grad_()
+        y0 = F.linear(x0, w).tanh()
+        want = torch.autograd.grad(y0, [x0, w], dy, retain_graph=True)
+        x = shard(g.clone()).requires_grad_()
+        out = {}
+        with shardlab.patched():
+            y = F.linear(x, w).tanh()
+            got = torch.autograd.grad(y, [x, w], shard(dy), retain_graph=True)
+            out["grad_outputs"] = torch.allclose(got[0].full_tensor(), want[0]) and torch.allclose(
+                got[1], want[1]
+            )
+            again = torch.autograd.grad(y, {"w": w}, shard(dy), retain_graph=True)
+            out["dict, retained"] = list(again) == ["w"] and torch.allclose(again["w"], want[1])
+            try:
+                torch.autograd.grad(y, [w, unused], shard(dy), retain_graph=True)
+                out["unused"] = "no error"
+            except RuntimeError as e:
+                out["unused"] = "not have been used in the graph" in str(e)
+            none = torch.autograd.grad(y, [w, unused], shard(dy), retain_graph=True,
+                                       allow_unused=True)  # fmt: skip
+            out["allow_unused"] = none[1] is None
+            zeros = torch.autograd.grad(y, [w, unused], shard(dy), retain_graph=True,
+                                        materialize_grads=True)  # fmt: skip
+            out["materialize_grads"] = torch.equal(zeros[1], torch.zeros(2))
+            (gw,) = torch.autograd.grad(y, w, shard(dy), create_graph=True)
+            out["create_graph"] = gw.requires_grad and torch.allclose(gw, want[1])
+        return out
+
+    for res in ranks_for(2).run(body):
+        assert res == {k: True for k in res} and len(res) == 6, res
