@@ -226,6 +226,35 @@ def _reduce_scatter_v(local, m, d, sizes, mesh, op) -> torch.Tensor:
     return mine
 
 
+_ORDERED = {  # float dtype -> (int dtype of its width, the int a reduction sends it as)
+    torch.float64: (torch.int64, torch.int64),
+    torch.float32: (torch.int32, torch.int32),
+    torch.float16: (torch.int16, torch.int32),  # (no 16-bit ints in NCCL's reductions)
+    torch.bfloat16: (torch.int16, torch.int32),
+}
+
+
+def _all_reduce_extreme(local: torch.Tensor, op: str, group) -> torch.Tensor:
+    """A Partial max / min of floats summed as torch's ``max`` does: a NaN on any rank
+    makes the result NaN (gloo's and NCCL's MAX / MIN drop it: ``max(1, nan)`` was 1).
+
+    Each float is sent as the integer that orders like it (its bits, with the lower bits
+    of negative ones flipped: ``-inf < -1 < -0 < 0 < 1 < inf``), a NaN as the largest
+    (max) or smallest (min) integer; the integer MAX / MIN is the float one, NaN
+    included. One all-reduce, as many bytes (twice for 16-bit floats)."""
+    if local.dtype not in _ORDERED:
+        collectives.all_reduce_(local, _REDUCE_OPS[op], group)
+        return local
+    bits, wide = _ORDERED[local.dtype]
+    info = torch.iinfo(bits)
+    raw = local.contiguous().view(bits)
+    key = torch.where(raw >= 0, raw, raw ^ info.max)  # ordered like the floats
+    key = key.masked_fill(local.isnan(), info.max if op == "max" else info.min).to(wide)
+    collectives.all_reduce_(key, _REDUCE_OPS[op], group)
+    key = key.to(bits)
+    return torch.where(key >= 0, key, key ^ info.max).view(local.dtype).view(local.shape)
+
+
 def _same_block(src: ShardLayout, dst: ShardLayout, mesh, me) -> bool:
     """Is this rank's block of ``dst`` its block of ``src``? So when every mesh dim whose
     placement or sizes change has one rank (its one piece is the whole dim, a sum or max
@@ -291,7 +320,10 @@ def redistribute_local(
                     src = src.replace(placements=tuple(places), sizes=tuple(sizes))
                     continue
                 local = wire(local).clone()
-                collectives.all_reduce_(local, _REDUCE_OPS[p.reduce_op], mesh.get_group(m))
+                if p.reduce_op in ("max", "min") and local.is_floating_point():
+                    local = _all_reduce_extreme(local, p.reduce_op, mesh.get_group(m))
+                else:
+                    collectives.all_reduce_(local, _REDUCE_OPS[p.reduce_op], mesh.get_group(m))
                 src = _as_replicate(src, [m])
         # 2. move boxes between Shard / Replicate placements (a kept Partial moves
         #    like a Replicate; a new Partial target is first made Replicate)

@@ -78,3 +78,46 @@ def test_staged_messages_match_direct_ones(ranks_for):
         assert msgs == msgs_s and len(msgs) > 10 and posts > 5
         for a, b in zip(got, got_s):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_max_and_min_over_ranks_keep_nan_inf_and_signed_zero(ranks_for, world):
+    """A max / min reduced across ranks (``amax``, ``max``, ``min``, an infinity norm) is
+    NaN when any element is, as torch's is: gloo's and NCCL's MAX / MIN drop NaNs
+    (``max(1, nan)`` was 1 on two ranks), silently. Infinities and -0.0 pass through."""
+
+    def body():
+        import random
+
+        from torch.distributed.tensor import Shard
+
+        from shardlab import distribute, this_rank
+        from tests.tensor._cases import random_sizes
+
+        mesh = this_rank().mesh
+        rng = random.Random(3)
+        special = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1.0, -2.5]
+        bad = []
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            for trial in range(12):
+                vals = [rng.choice(special) for _ in range(6 * 5)]
+                g = torch.tensor(vals, dtype=dtype).reshape(6, 5)
+                x = distribute(g, mesh, [Shard(0)], random_sizes(rng, 6, mesh.size()))
+                calls = {
+                    "amax": lambda t: t.amax(0),
+                    "amin": lambda t: t.amin(0),
+                    "max": lambda t: t.max(),
+                    "min": lambda t: t.min(),
+                    "norm inf": lambda t: torch.linalg.vector_norm(t, float("inf")),
+                    "norm -inf": lambda t: torch.linalg.vector_norm(t, -float("inf"), dim=0),
+                }
+                for name, fn in calls.items():
+                    want, got = fn(g), fn(x).full_tensor()
+                    same = torch.equal(want.isnan(), got.isnan()) and torch.equal(
+                        want.nan_to_num(), got.nan_to_num()
+                    )
+                    if not same:
+                        bad.append((str(dtype), trial, name))
+        return bad
+
+    assert ranks_for(world).run(body) == [[]] * world
