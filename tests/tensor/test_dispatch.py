@@ -588,3 +588,30 @@ def test_aliases_and_copies_keep_torch_strides(ranks_for):
 
     for world in (1, 2):
         assert ranks_for(world).run(body) == [[(True, True)] * 4] * world
+
+
+def test_elementwise_out_argument_is_written_in_its_own_layout(ranks_for):
+    """``torch.maximum(a, b, out=o)`` (single-tensor Adamax) with a, b and o cut unlike
+    each other: o holds the result and keeps its layout. It was written in a moved copy
+    of o and left as it was, silently."""
+
+    def body():
+        from torch.distributed.tensor import Replicate, Shard
+
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        g = torch.randn(3, 7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        ok = []
+        for fn in (torch.maximum, torch.add, torch.mul):
+            a = distribute(g[0], mesh, [Replicate()])
+            b = distribute(g[1], mesh, [Shard(0)], [[3, 4]])
+            o = distribute(g[2].clone(), mesh, [Shard(0)], [[5, 2]])
+            before = o._layout
+            got = fn(a, b, out=o)
+            ok.append(
+                got is o and o._layout == before and torch.equal(o.full_tensor(), fn(g[0], g[1]))
+            )
+        return ok
+
+    assert ranks_for(2).run(body) == [[True] * 3] * 2

@@ -110,6 +110,8 @@ def pointwise(func, args, kwargs, meta_out=None):
     keep = [keeps_partial(func, args, kwargs, m) for m in range(nm)]
     inplace = c.is_inplace(func)
     cause = f"{c.op_name(func)}.align"
+    if not inplace and c.written_args(func):
+        return NotImplemented  # ``out=``: moved, the output was written in a copy (the fallback)
     if inplace:
         self = args[0]
         if not isinstance(self, st):
