@@ -36,21 +36,26 @@ def replicate_and_run(func, args, kwargs):
         return a
 
     local_args, local_kwargs = c.tree_map(gather, (args, kwargs))
-    written = {i for i in c.written_args(func)}
-    # in-place on a gathered copy: the copy must not alias the caller's block
-    if written:
-        local_args = [
-            a.clone()
-            if i in written and isinstance(args[i], st) and a is args[i]._local_tensor
-            else a
-            for i, a in enumerate(local_args)
-        ]
+    local_args = list(local_args)
+    # the arguments it writes, by position or by name (``out=``); a list of tensors too
+    # (``_foreach_add_``): (argument, its gathered copy, where the copy goes back)
+    names = [a.name for a in func._schema.arguments]
+    written = []
+    for i in c.written_args(func):
+        if i < len(args):
+            written.append((args[i], local_args, i))
+        elif names[i] in kwargs:
+            written.append((kwargs[names[i]], local_kwargs, names[i]))
+    for arg, where, k in written:  # in place on a gathered copy, never the caller's block
+        where[k] = _private(where[k], arg, st)
     result = func(*local_args, **local_kwargs)
     _check_dense(func, result)  # decided from the whole result: the same on every rank
-    for i in written:
-        target = args[i] if i < len(args) else None
-        if isinstance(target, st):
-            _write_back(target, local_args[i])
+    for arg, where, k in written:
+        items = arg if isinstance(arg, (list, tuple)) else [arg]
+        fulls = where[k] if isinstance(arg, (list, tuple)) else [where[k]]
+        for target, full in zip(items, fulls):
+            if isinstance(target, st):
+                _write_back(target, full)
     if written and c.is_inplace(func) and isinstance(args[0], st):
         return args[0]
     first = shards[0]
@@ -59,7 +64,17 @@ def replicate_and_run(func, args, kwargs):
         out = c.wrap(result, mesh, c.replicate_layout(result.shape, mesh))
         base, full = args[0], local_args[0]
         return c.with_writeback(out, lambda: (_write_back(base, full), c.written(base)))
-    return _rewrap(result, mesh, first, local_args, written, args)
+    return _rewrap(result, mesh, first, written)
+
+
+def _private(gathered, arg, st):
+    """``gathered`` (a copy of ``arg``, or a list of them), never aliasing a block of the
+    caller's (a Replicate block is gathered as itself)."""
+    if isinstance(arg, (list, tuple)):
+        return [_private(g, a, st) for g, a in zip(gathered, arg)]
+    if isinstance(arg, st) and gathered is arg._local_tensor:
+        return gathered.clone()
+    return gathered
 
 
 def _returns_view(func) -> bool:
@@ -105,18 +120,16 @@ def _write_back(x, full: torch.Tensor) -> None:
     c.write_partial(x, block._local_tensor)
 
 
-def _rewrap(result, mesh, first, local_args, written, args):
+def _rewrap(result, mesh, first, written):
     if isinstance(result, torch.Tensor):
-        for i in written:  # an op returning its (out=) argument returns that argument
-            if i < len(args) and result is local_args[i]:
-                return args[i]
+        for arg, where, k in written:  # an op returning its (out=) argument returns it
+            if result is where[k]:
+                return arg
         out = c.wrap(result, mesh, c.replicate_layout(result.shape, mesh))
         lay = c.without_partial(first._layout)
         if tuple(result.shape) == tuple(first.shape) and lay != out._layout:
             out = c.move(out, lay, "fallback.reshard")  # a slice of what every rank has
         return out
     if isinstance(result, (list, tuple)):
-        return c.rebuild(
-            result, [_rewrap(r, mesh, first, local_args, written, args) for r in result]
-        )
+        return c.rebuild(result, [_rewrap(r, mesh, first, written) for r in result])
     return result
