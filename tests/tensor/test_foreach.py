@@ -270,3 +270,62 @@ def test_optimizers_on_cut_parameters_equal_one_device(ranks_for, world, mesh_sh
     per_rank = ranks_for(world).run(_optim_body(names, mode, clip, mesh_shape))
     for res in per_rank:
         assert res == {n: (True, True) for n in names}, res
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_grad_scaler_on_cut_parameters_equal_one_device(ranks_for, foreach):
+    """``torch.amp.GradScaler`` around fp16 autocast, an inf in one step's input (the step is
+    skipped and the scale halved on every rank), ``unscale_`` then ``clip_grad_norm_``: the
+    parameters and scales equal one device's; ``unscale_`` sends one all-reduce of
+    ``found_inf`` per rank (the fallback gathered every gradient)."""
+
+    def body():
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+
+        def model(shard):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+            if shard:
+                cuts = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1)}
+                for name, p in list(m.named_parameters()):
+                    mod, attr = name.split(".")
+                    place = cuts.get(name)
+                    how = ([place], [[4, 3]]) if place else ([Replicate()],)
+                    setattr(m[int(mod)], attr, nn.Parameter(distribute(p.detach(), mesh, *how)))
+            return m
+
+        outs, events = [], []
+        for shard in (False, True):
+            m = model(shard)
+            opt = torch.optim.AdamW(m.parameters(), lr=0.01, foreach=foreach)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            scales = []
+            for step in range(4):
+                gen = torch.Generator().manual_seed(step)
+                x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
+                if step == 2:
+                    x[0, 0] = float("inf")
+                with shardlab.patched(), torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.mse_loss(m(x), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                with shardlab.trace() as tr:
+                    scaler.unscale_(opt)
+                events.append(sorted({e.label for e in tr.events}) if shard else [])
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=foreach)
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+            outs.append(([_full(p).detach() for p in m.parameters()], scales))
+        same = all(torch.equal(a, b) for a, b in zip(outs[0][0], outs[1][0]))
+        return same, outs[0][1] == outs[1][1] == [1024.0, 1024.0, 512.0, 512.0], events[4:]
+
+    for same, scales, events in ranks_for(2).run(body):
+        assert same and scales
+        assert events == [["unscale found_inf"]] * 4, events

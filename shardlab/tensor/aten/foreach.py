@@ -24,7 +24,9 @@ every list (a parameter, its gradient, its optimizer states)::
    the whole-tensor fallback (exact; labelled ``whole-tensor fallback for ...``);
 4. the per-tensor reductions are the op per tensor through its own rule:
    ``_foreach_norm`` is ``linalg_vector_norm`` (one all-reduce of a scalar per cut
-   tensor), ``_foreach_max`` is ``max``, ``_foreach_mm`` is ``mm``.
+   tensor), ``_foreach_max`` is ``max``, ``_foreach_mm`` is ``mm``;
+5. ``GradScaler``'s unscale (:func:`amp_unscale`): the kernel on the blocks, then one
+   all-reduce of ``found_inf``.
 
 Before this rule, the in-place ops (every optimizer step) went to the fallback, which
 wrote the new values into gathered copies only: cut parameters were silently not updated.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial
 
+from shardlab.layout import ShardLayout
 from shardlab.layout.moves import move_cost
 
 from . import _common as c
@@ -147,6 +150,29 @@ def foreach(func, args, kwargs):
     if func._schema.returns == [] or all(r is None for r in results):
         return None
     return _gather(results)
+
+
+@register(aten._amp_foreach_non_finite_check_and_unscale_.default)
+def amp_unscale(func, args, kwargs):
+    """``GradScaler.unscale_``: gradients times ``inv_scale``, and ``found_inf`` set to 1
+    when any of them holds an inf or a NaN, on every rank alike::
+
+        rank r: the kernel on its blocks (a Partial part: unscaling is linear; an inf in
+                a part makes the sum inf or NaN)     -> found_inf_r
+        found_inf = max over the mesh of found_inf_r    (one all-reduce of one float per
+                                                         mesh dim)
+
+    (The fallback gathered every gradient whole at every step.)"""
+    st = c.shard_tensor_cls()
+    grads, found_inf, inv_scale = (*args, *kwargs.values())
+    if isinstance(found_inf, st) or isinstance(inv_scale, st):
+        return NotImplemented
+    mesh = c.the_mesh(c.shards_in(grads))
+    func([c.local(g) for g in grads], found_inf, inv_scale)
+    local = found_inf.reshape(()).clone()
+    place = [Partial("max")] * mesh.ndim
+    mine = st._wrap(local, mesh, ShardLayout.build((), tuple(mesh.shape), place))
+    found_inf.copy_(c.replicated(mine, "unscale found_inf")._local_tensor.reshape(found_inf.shape))
 
 
 def _written_positions(func, args, kwargs) -> list[bool]:
