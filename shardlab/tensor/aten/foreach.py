@@ -90,6 +90,9 @@ def element_layouts(elements) -> list:
             len(shape) > 0 and (shape != self.global_shape or (lay is None and written))
             for lay, shape, written in tensors
         )  # a Partial self; a broadcast; a plain tensor written
+        if alone or all(lay is self for lay in layouts[1:]):  # (the common case)
+            out.append(None if alone else self)
+            continue
         # the layout whose moves cost the fewest elements (a written tensor moves there
         # and back); ties: the first, self's
         options = [lay for i, lay in enumerate(layouts) if lay not in layouts[:i]]
@@ -126,11 +129,13 @@ def foreach(func, args, kwargs):
             return NotImplemented
     mesh = c.the_mesh(c.shards_in((args, kwargs)))
     written = _written_positions(func, args, kwargs)
-    elements = [
-        [(t._layout if isinstance(t, st) else None, tuple(t.shape), w)
-         for t, w in _tensors_of(values, i, written)]
-        for i in range(n)
-    ]  # fmt: skip
+    lists = [(v, w) for v, w in zip(values, written) if _is_list(v)]
+    plains = [(v, w) for v, w in zip(values, written) if type(v) in _PLAIN]  # a learning rate
+    elements = []
+    for i in range(n):
+        tensors = [(t._layout if type(t) is st else None, t.shape, w)
+                   for t, w in [(v[i], w) for v, w in lists] + plains]  # fmt: skip
+        elements.append(_interned(tensors))
     targets = element_layouts(elements)
     here = [i for i in range(n) if targets[i] is not None]
     results: list = [None] * n
@@ -175,6 +180,24 @@ def amp_unscale(func, args, kwargs):
     found_inf.copy_(c.replicated(mine, "unscale found_inf")._local_tensor.reshape(found_inf.shape))
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _interned(tensors) -> list:
+    """Equal layouts as one object (a parameter's gradient and states have their own
+    layout objects, equal to its): :func:`element_layouts` then compares by identity."""
+    first = None
+    out = []
+    for lay, shape, w in tensors:
+        if lay is not None:
+            if first is None:
+                first = lay
+            elif lay is not first and lay == first:
+                lay = first
+        out.append((lay, tuple(shape), w))
+    return out
+
+
 def _written_positions(func, args, kwargs) -> list[bool]:
     """For each value of ``(*args, *kwargs.values())``: does the op write it?"""
     names = [a.name for a in func._schema.arguments]
@@ -184,17 +207,6 @@ def _written_positions(func, args, kwargs) -> list[bool]:
 
 def _is_list(v) -> bool:
     return isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v)
-
-
-def _tensors_of(values, i, written) -> list:
-    """Element i's tensors and whether each is written, in argument order."""
-    out = []
-    for v, w in zip(values, written):
-        if _is_list(v) and len(v) > 0 and isinstance(v[i], torch.Tensor):
-            out.append((v[i], w))
-        elif isinstance(v, torch.Tensor) and not isinstance(v, c.shard_tensor_cls()):
-            out.append((v, w))  # a plain tensor for every element (a learning rate)
-    return out
 
 
 def _element(args, n, i) -> list:
