@@ -449,6 +449,10 @@ def _normal_view(func, args, kwargs):
 _EAGER_TF = [traced.eager(ShardTensor.__torch_function__.__func__)]
 _EAGER_TD = [traced.eager(ShardTensor.__torch_dispatch__.__func__)]
 
+# ``torch.load`` (``weights_only=True``, its default) takes a checkpoint holding ShardTensors
+# as it takes DTensors: the classes a pickled ShardTensor names (torch lists DTensor's own)
+torch.serialization.add_safe_globals([ShardTensor, ShardLayout, traced.Placements])
+
 
 def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> ShardTensor:
     """This rank's block ``local`` as a ShardTensor of any ``layout`` (strided dims too),

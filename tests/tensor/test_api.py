@@ -351,3 +351,29 @@ def test_compile_cache_key_holds_the_block(ranks_for):
     r0, r1 = ranks_for(2).run(body)
     assert r0[0] == r0[2] and r0[0] != r0[1]  # the same layout, the same key
     assert len({r0[0], r1[0], r0[1], r1[1]}) == 4  # [5, 5]: equal blocks, other ranks
+
+
+def test_torch_save_and_load_keep_the_layout(ranks_for, tmp_path):
+    """``torch.save`` of a state dict holding ShardTensors (a tensor, a parameter), then
+    ``torch.load`` with its default ``weights_only=True``, as DTensor's loads: each rank gets
+    its block back, in the layout it had (uneven sizes, 2-D mesh)."""
+    path = str(tmp_path)
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from shardlab import distribute
+
+        mesh = init_device_mesh("cpu", (2, 2))
+        g = torch.arange(7.0 * 5).reshape(7, 5)
+        x = distribute(g, mesh, [Shard(0), Shard(1)], [[5, 2], [1, 4]])
+        f = f"{path}/rank{mesh.get_rank()}.pt"
+        torch.save({"x": x, "w": torch.nn.Parameter(x.clone())}, f)
+        back = torch.load(f)
+        same = [
+            type(y) is type(x) and y._layout == x._layout and torch.equal(y.full_tensor(), g)
+            for y in (back["x"], back["w"])
+        ]
+        return same + [isinstance(back["w"], torch.nn.Parameter)]
+
+    assert ranks_for(4).run(body) == [[True, True, True]] * 4
