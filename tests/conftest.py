@@ -44,3 +44,12 @@ def docs_site() -> pathlib.Path:
     took, _ = sphinx_build()
     print(f"docs built in {took:.1f} s")
     return SITE
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "more_worlds: a sweep's extra world sizes (CI runs them on torch 2.13, the README's "
+        "command, and skips them on 2.11 and 2.15 with -m 'not more_worlds' to stay "
+        "under 30 minutes; every sweep still runs on each version at its other sizes)",
+    )

@@ -3,7 +3,7 @@
 The build executes every tutorial from its jupytext script on the 4 ranks it starts, and a
 cell that raises fails it: this is the 4-rank run of the notebooks (nbval with
 ``--nbval-lax`` checked the same: no cell raises, the in-cell asserts hold);
-``tests/test_tutorials.py`` runs them with 2 and 3 ranks. Warnings are errors: a broken
+``tests/test_tutorials.py`` runs them with 3 ranks. Warnings are errors: a broken
 cross-reference, a public function without a docstring.
 """
 

@@ -1,4 +1,5 @@
-"""Every tutorial also runs with 2 and 3 ranks (the docs build runs them as written, with 4).
+"""Every tutorial also runs with 3 ranks, uneven cuts (the docs build runs them as written,
+with 4; a 2-rank run added 2 minutes to CI and caught nothing the 3-rank one did not).
 
 Each notebook sets its world size once, on a line ``WORLD = 4``; this test rewrites that
 line and executes the notebook in a fresh kernel; any exception (the in-cell asserts
@@ -14,7 +15,7 @@ import pytest
 TUTORIALS = sorted(pathlib.Path(__file__).parent.parent.joinpath("tutorials").glob("[0-9]*.ipynb"))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 @pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
 def test_tutorial_runs_with_other_world_sizes(path, world):
     from nbclient import NotebookClient

@@ -161,7 +161,8 @@ def _sweep_body(seed: int, mixed: bool, mesh_shape=None):
 
 @pytest.mark.parametrize(
     "world, mesh_shape, mixed",
-    [(1, None, False), (2, None, False), (3, None, True), (4, None, False), (4, (2, 2), False)],
+    [(1, None, False), (2, None, False), (3, None, True),
+     pytest.param(4, None, False, marks=pytest.mark.more_worlds), (4, (2, 2), False)],  # fmt: skip
 )
 def test_foreach_op_db_equals_torch(ranks_for, world, mesh_shape, mixed):
     """Every sample of torch's foreach OpInfos (4 tensors a list, each cut its own way):
@@ -254,7 +255,7 @@ def _optim_body(names, mode: str, clip: bool, mesh_shape=None):
     return body
 
 
-@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("clip", [pytest.param(False, marks=pytest.mark.more_worlds), True])
 @pytest.mark.parametrize("mode", ["foreach", "fused"])
 @pytest.mark.parametrize("world, mesh_shape", [(1, None), (2, None), (3, None), (4, (2, 2))])
 def test_optimizers_on_cut_parameters_equal_one_device(ranks_for, world, mesh_shape, mode, clip):

@@ -203,7 +203,7 @@ def _weighted(out, ws, full=lambda t: t):
     return total if isinstance(total, torch.Tensor) else torch.zeros((), requires_grad=True)
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.more_worlds)])
 @pytest.mark.parametrize("dim", [0, -1])
 def test_op_db_equals_torch_or_raises_on_every_rank(ranks_for, world, dim):
     """On one rank (every block whole: decisions kept as torch's call on the blocks) each
