@@ -353,6 +353,8 @@ def _meta_call(func, args, kwargs):
 
 def _meta_call_here(func, args, kwargs):
     margs, mkwargs = tree_map(meta_of, (args, kwargs))
+    if _cpu_scalars(func) is not None:
+        margs, mkwargs = _keep_cpu_scalars(func, args, kwargs, margs, mkwargs)
     if func in _HALF_ONLY_META:
         return _as_half_on_meta(func, margs, mkwargs)
     try:
@@ -374,6 +376,29 @@ def _meta_call_here(func, args, kwargs):
         ):
             return None
         raise
+
+
+_CPU_SCALARS: dict = {}  # op -> the index of its ``Tensor scalars`` argument, or None
+
+
+def _cpu_scalars(func):
+    """The foreach ops' ``Tensor scalars`` (``_foreach_addcdiv_.Tensor``, which compiled
+    optimizers call): their meta kernel wants that tensor on the CPU, as it is."""
+    if func not in _CPU_SCALARS:
+        where = [i for i, a in enumerate(func._schema.arguments)
+                 if a.name == "scalars" and str(a.type) == "Tensor"]  # fmt: skip
+        _CPU_SCALARS[func] = where[0] if where else None
+    return _CPU_SCALARS[func]
+
+
+def _keep_cpu_scalars(func, args, kwargs, margs, mkwargs):
+    i = _CPU_SCALARS[func]
+    if i < len(args):
+        if type(args[i]) is torch.Tensor:
+            margs = [*margs[:i], args[i], *margs[i + 1 :]]
+    elif type(kwargs.get("scalars")) is torch.Tensor:
+        mkwargs = {**mkwargs, "scalars": kwargs["scalars"]}
+    return margs, mkwargs
 
 
 # meta kernels that refuse dtypes the CPU kernel takes (torch 2.11-2.13: the meta of

@@ -130,7 +130,12 @@ def foreach(func, args, kwargs):
     mesh = c.the_mesh(c.shards_in((args, kwargs)))
     written = _written_positions(func, args, kwargs)
     lists = [(v, w) for v, w in zip(values, written) if _is_list(v)]
-    plains = [(v, w) for v, w in zip(values, written) if type(v) in _PLAIN]  # a learning rate
+    scalars = _scalars_at(func, args, kwargs)  # (one number per element: sliced)
+    plains = [  # a plain tensor for every element (a learning rate)
+        (v, w)
+        for j, (v, w) in enumerate(zip(values, written))
+        if type(v) in _PLAIN and j != scalars
+    ]
     elements = []
     for i in range(n):
         tensors = [(t._layout if type(t) is st else None, t.shape, w)
@@ -142,7 +147,7 @@ def foreach(func, args, kwargs):
     if here:  # 2. one call on the blocks (moved to their element's layout first)
         cause = f"{name}.align"
         back: list = []
-        sub = _blocks(args, kwargs, here, n, targets, written, mesh, cause, back)
+        sub = _blocks(args, kwargs, here, n, targets, written, mesh, cause, back, scalars)
         out = func(*sub[0], **sub[1])
         for orig, moved in back:  # a written tensor that had to move: its new values
             c.write_partial(
@@ -150,7 +155,7 @@ def foreach(func, args, kwargs):
             )
         _place(results, out, here, mesh, targets)
     for i in (i for i in range(n) if targets[i] is None):  # 3. alone, whole
-        sub = _subset(args, kwargs, [i], n)
+        sub = _subset(args, kwargs, [i], n, scalars)
         _place(results, replicate_and_run(func, *sub), [i], None, None)
     if func._schema.returns == [] or all(r is None for r in results):
         return None
@@ -217,19 +222,37 @@ def _scalars(kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if not isinstance(v, (list, tuple))}
 
 
-def _subset(args, kwargs, idx, n):
-    """The call restricted to the elements ``idx`` (lists of n sliced, scalars as they
+def _subset(args, kwargs, idx, n, scalars=None):
+    """The call restricted to the elements ``idx`` (lists of n sliced, and the ``Tensor
+    scalars`` of one number per element at value index ``scalars``; other scalars as they
     are, empty optional lists kept empty)."""
 
-    def one(v):
+    def one(v, j):
         if isinstance(v, (list, tuple)) and len(v) == n and n > 0:
             return [v[i] for i in idx]
+        if j == scalars:
+            return v[idx]
         return v
 
-    return [one(a) for a in args], {k: one(v) for k, v in kwargs.items()}
+    k = len(args)
+    return (
+        [one(a, j) for j, a in enumerate(args)],
+        {key: one(v, k + j) for j, (key, v) in enumerate(kwargs.items())},
+    )
 
 
-def _blocks(args, kwargs, idx, n, targets, written, mesh, cause, back):
+def _scalars_at(func, args, kwargs):
+    """The value index (positional, then keyword) of a ``Tensor scalars`` argument of one
+    number per element, or None."""
+    i = c._cpu_scalars(func)
+    if i is None:
+        return None
+    if i < len(args):
+        return i
+    return len(args) + list(kwargs).index("scalars") if "scalars" in kwargs else None
+
+
+def _blocks(args, kwargs, idx, n, targets, written, mesh, cause, back, scalars):
     """The call restricted to ``idx``, each tensor as its block of its element's layout
     (moved there when laid out otherwise; a written one is noted in ``back``)."""
     st = c.shard_tensor_cls()
@@ -249,15 +272,17 @@ def _blocks(args, kwargs, idx, n, targets, written, mesh, cause, back):
             return t
         return c.move(c.as_shard(t, mesh), target, cause)._local_tensor  # (a slice)
 
-    def one(v, w):
+    def one(v, j):
         if isinstance(v, (list, tuple)) and len(v) == n and n > 0:
-            return [block(v[i], i, w) for i in idx]
+            return [block(v[i], i, written[j]) for i in idx]
+        if j == scalars:
+            return v[idx]  # (one number per element)
         return c.local(v)  # a scalar, a 0-d tensor, an empty optional list
 
     k = len(args)
     return (
-        [one(a, written[j]) for j, a in enumerate(args)],
-        {key: one(v, written[k + j]) for j, (key, v) in enumerate(kwargs.items())},
+        [one(a, j) for j, a in enumerate(args)],
+        {key: one(v, k + j) for j, (key, v) in enumerate(kwargs.items())},
     )
 
 
