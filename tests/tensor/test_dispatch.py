@@ -592,12 +592,13 @@ def test_aliases_and_copies_keep_torch_strides(ranks_for):
 
 def test_elementwise_out_argument_is_written_in_its_own_layout(ranks_for):
     """``torch.maximum(a, b, out=o)`` (single-tensor Adamax) with a, b and o cut unlike
-    each other: o holds the result and keeps its layout. It was written in a moved copy
-    of o and left as it was, silently."""
+    each other: o holds the result and keeps its layout (the inputs move to it). It was
+    written in a moved copy of o and left as it was, silently."""
 
     def body():
         from torch.distributed.tensor import Replicate, Shard
 
+        import shardlab
         from shardlab import distribute, this_rank
 
         mesh = this_rank().mesh
@@ -609,9 +610,13 @@ def test_elementwise_out_argument_is_written_in_its_own_layout(ranks_for):
             o = distribute(g[2].clone(), mesh, [Shard(0)], [[5, 2]])
             before = o._layout
             got = fn(a, b, out=o)
-            ok.append(
-                got is o and o._layout == before and torch.equal(o.full_tensor(), fn(g[0], g[1]))
-            )
+            same = torch.equal(o.full_tensor(), fn(g[0], g[1]))
+            ok.append(got is o and o._layout == before and same)
+        b = distribute(g[1], mesh, [Shard(0)], [[5, 2]])
+        o = distribute(g[2].clone(), mesh, [Shard(0)], [[5, 2]])
+        with shardlab.trace() as t:  # laid out alike: the op on the blocks, no message
+            torch.maximum(b, b * 2, out=o)
+        ok.append(len(t) == 0 and torch.equal(o.full_tensor(), torch.maximum(g[1], g[1] * 2)))
         return ok
 
-    assert ranks_for(2).run(body) == [[True] * 3] * 2
+    assert ranks_for(2).run(body) == [[True] * 4] * 2

@@ -110,9 +110,18 @@ def pointwise(func, args, kwargs, meta_out=None):
     keep = [keeps_partial(func, args, kwargs, m) for m in range(nm)]
     inplace = c.is_inplace(func)
     cause = f"{c.op_name(func)}.align"
-    if not inplace and c.written_args(func):
-        return NotImplemented  # ``out=``: moved, the output was written in a copy (the fallback)
-    if inplace:
+    out_arg = None
+    if not inplace and c.written_args(func):  # ``out=``: written where it is, as self is
+        out_arg = kwargs.get("out")
+        if (
+            type(out_arg) is not st
+            or tuple(out_arg.shape) != out_shape
+            or any(isinstance(p, Partial) for p in out_arg._layout.placements)
+        ):
+            return NotImplemented  # (the fallback writes it back)
+    if out_arg is not None:
+        target = out_arg._layout  # the inputs move to it; out does not move
+    elif inplace:
         self = args[0]
         if not isinstance(self, st):
             return NotImplemented  # a plain tensor written: the whole-tensor fallback
@@ -139,6 +148,8 @@ def pointwise(func, args, kwargs, meta_out=None):
     result = func(*local_args, **local_kwargs)
     if inplace:
         return args[0]
+    if out_arg is not None:
+        return out_arg
     return _wrap_all(result, mesh, target)
 
 
