@@ -181,6 +181,28 @@ def test_foreach_op_db_equals_torch(ranks_for, world, mesh_shape, mixed):
     assert len(results) > 120, len(results)  # 139 on torch 2.13
 
 
+def _steps(m, opt, step, clip=False):
+    """Three training steps of ``m`` (5 -> 3) on fixed data, each ending in ``step()``;
+    the trace of the last ``step()``."""
+    import torch.nn.functional as F
+
+    import shardlab
+
+    for k in range(3):
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+        y = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+        with shardlab.patched():
+            loss = F.mse_loss(m(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, foreach=True)
+        with shardlab.trace() as tr:
+            step()
+    return tr
+
+
 _OPTIMIZERS = {
     "SGD": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
     "Adam": dict(lr=0.05, amsgrad=True),
@@ -201,9 +223,7 @@ DEBUG = False
 def _optim_body(names, mode: str, clip: bool, mesh_shape=None):
     def body():
         import torch.nn as nn
-        import torch.nn.functional as F
 
-        import shardlab
         from shardlab import distribute, this_rank
 
         mesh = this_rank().mesh
@@ -231,18 +251,7 @@ def _optim_body(names, mode: str, clip: bool, mesh_shape=None):
             opts["foreach" if how != "fused" else "fused"] = how != "loop"
             m = model(shard)
             opt = getattr(torch.optim, name)(m.parameters(), **opts)
-            for step in range(3):
-                gen = torch.Generator().manual_seed(step)
-                x = torch.randn(4, 5, generator=gen, dtype=torch.float64)
-                y = torch.randn(4, 3, generator=gen, dtype=torch.float64)
-                with shardlab.patched():
-                    loss = F.mse_loss(m(x), y)
-                opt.zero_grad()
-                loss.backward()
-                if clip:
-                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, foreach=True)
-                with shardlab.trace() as tr:
-                    opt.step()
+            tr = _steps(m, opt, opt.step, clip)
             return [_full(p).detach() for p in m.parameters()], tr.bytes()
 
         res = {}
@@ -349,9 +358,7 @@ def test_compiled_optimizer_step_on_cut_parameters(ranks_for, world):
 
     def body():
         import torch.nn as nn
-        import torch.nn.functional as F
 
-        import shardlab
         from shardlab import distribute, this_rank
 
         mesh = this_rank().mesh
@@ -368,16 +375,7 @@ def test_compiled_optimizer_step_on_cut_parameters(ranks_for, world):
                     how = ([cuts[name]], sizes) if name in cuts else ([Replicate()],)
                     setattr(m[int(mod)], attr, nn.Parameter(distribute(p.detach(), mesh, *how)))
             opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=True)
-            step = torch.compile(opt.step, backend="aot_eager")
-            for s in range(3):
-                gen = torch.Generator().manual_seed(s)
-                x = torch.randn(4, 5, generator=gen, dtype=torch.float64)
-                y = torch.randn(4, 3, generator=gen, dtype=torch.float64)
-                with shardlab.patched():
-                    loss = F.mse_loss(m(x), y)
-                opt.zero_grad()
-                loss.backward()
-                step()
+            _steps(m, opt, torch.compile(opt.step, backend="aot_eager"))
             return [_full(p).detach() for p in m.parameters()]
 
         want, got = run(False), run(True)
