@@ -124,6 +124,22 @@ class ShardTensor(DTensor):
         (``traced.Placements``), which makes them unequal for other shard sizes."""
         return tuple(self._spec.placements)
 
+    # -- pickling (torch.save, copy.deepcopy) -----------------------------------
+    def __getstate__(self):
+        """What ``torch.save`` keeps besides the block: the layout; not this tensor's notes
+        on how it was made (a rule's decision, a pending write-back into a base), which
+        cannot be pickled (an optimizer's ``exp_avg``, made by ``zeros_like``, failed)."""
+        state = super().__getstate__()  # (the instance dict, and DTensor's slots)
+        slots = None
+        if isinstance(state, tuple):
+            state, slots = state
+        state = {k: v for k, v in (state or {}).items() if k not in _NOTES}
+        return state if slots is None else (state, slots)
+
+    def _clear_non_serializable_cached_data(self):
+        self.__dict__.pop("_decided", None)  # (read once, by dispatch, after the op)
+        super()._clear_non_serializable_cached_data()
+
     # -- torch.compile (shardlab.tensor.traced): torch's DTensor format --------
     def __tensor_flatten__(self):
         traced.prepare()  # dynamo (or AOTAutograd) is looking at a ShardTensor
@@ -469,6 +485,7 @@ def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> 
     return _FromLocal.apply(local, mesh, layout, stride)
 
 
+_NOTES = {"_decided", "_writeback"}  # per-process notes a ShardTensor may carry
 _ONE_RANK = {(1,), (1, 1)}  # mesh shapes of one rank (shardlab's meshes have 1 or 2 dims)
 
 

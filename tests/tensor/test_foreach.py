@@ -382,3 +382,93 @@ def test_compiled_optimizer_step_on_cut_parameters(ranks_for, world):
         return all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(want, got))
 
     assert ranks_for(world).run(body) == [True] * world
+
+
+def test_functional_fused_steps_and_per_tensor_sums(ranks_for):
+    """The out-of-place fused steps (``_fused_adam``, ``_fused_sgd``: what functionalized and
+    compiled code calls) give their five (three) result lists, an empty one where the step
+    keeps no such state (no amsgrad, no momentum); ``_foreach_powsum`` (a sum per tensor)
+    and ``_foreach_norm`` give one scalar per tensor. Each against the plain call."""
+
+    def body():
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(7, 5), (5,), (3, 4)]
+        cuts = [([Shard(0)], [[5, 2]]), ([Replicate()],), ([Shard(1)], [[1, 3]])]
+        plain = [[torch.randn(s, dtype=torch.float64, generator=gen).abs() for s in shapes]
+                 for _ in range(3)]  # fmt: skip
+        steps = [torch.tensor(3.0) for _ in shapes]
+
+        def cut(ts):
+            return [distribute(t.clone(), mesh, *how) for t, how in zip(ts, cuts)]
+
+        aten = torch.ops.aten
+        calls = {
+            "_fused_adam": lambda p, g, m, v: aten._fused_adam.default(
+                p, g, m, v, [], steps, lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0,
+                eps=1e-8, amsgrad=False, maximize=False),
+            "_fused_sgd": lambda p, g, m, v: aten._fused_sgd.default(
+                p, g, [], weight_decay=0.0, momentum=0.0, lr=0.1, dampening=0.0,
+                nesterov=False, maximize=False, is_first_step=True),
+            "_foreach_powsum": lambda p, g, m, v: aten._foreach_powsum.Scalar(p, 3),
+            "_foreach_norm": lambda p, g, m, v: aten._foreach_norm.Scalar(p, 3),
+        }  # fmt: skip
+        ok = {}
+        for name, fn in calls.items():
+            want = fn(*plain, plain[0])
+            got = _full(fn(*[cut(ts) for ts in plain], cut(plain[0])))
+            want = want if isinstance(want, tuple) else (want,)
+            got = got if isinstance(got, tuple) else (got,)
+            ok[name] = len(got) == len(want) and all(
+                len(a) == len(b) and all(torch.allclose(x, y) for x, y in zip(a, b))
+                for a, b in zip(got, want)
+            )
+        return ok
+
+    for res in ranks_for(2).run(body):
+        assert res == {k: True for k in res} and len(res) == 4, res
+
+
+def test_torch_save_and_deepcopy_of_optimizer_state(ranks_for, tmp_path):
+    """``torch.save(optimizer.state_dict())`` with cut parameters (AdamW's states are made by
+    ``zeros_like``), then ``torch.load`` with and without ``weights_only``, and
+    ``copy.deepcopy`` of the state: each state comes back equal, in its layout (saving
+    raised "... is not pickleable": a note of how the state was made)."""
+    path = str(tmp_path)
+
+    def body():
+        import copy
+
+        import torch.nn as nn
+
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+        for name, how in {
+            "0.weight": ([Shard(0)], [[4, 3]]),
+            "2.weight": ([Shard(1)], [[2, 5]]),
+        }.items():
+            mod, attr = name.split(".")
+            p = getattr(m[int(mod)], attr)
+            setattr(m[int(mod)], attr, nn.Parameter(distribute(p.detach(), mesh, *how)))
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=True)
+        _steps(m, opt, opt.step)
+        state = opt.state_dict()["state"]
+        f = f"{path}/rank{mesh.get_rank()}.pt"
+        torch.save(opt.state_dict(), f)
+        backs = [torch.load(f)["state"], torch.load(f, weights_only=False)["state"]]
+        backs.append(copy.deepcopy(opt.state_dict())["state"])
+        same = []
+        for back in backs:
+            for k, s in state.items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    a, b = s[key], back[k][key]
+                    lay = getattr(a, "_layout", None) == getattr(b, "_layout", None)
+                    same.append(lay and torch.equal(_full(a), _full(b)))
+        return all(same) and len(same) == 3 * 2 * 4
+
+    assert ranks_for(2).run(body) == [True, True]

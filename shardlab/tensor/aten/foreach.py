@@ -61,6 +61,8 @@ def _ops() -> list:
     return [getattr(aten, n) for n in sorted(names | set(_FUSED)) if hasattr(aten, n)]
 
 
+# a sum per tensor (2.11+) with no rule of its own per tensor: the fallback, per element
+_ALONE = {"_foreach_powsum"}
 # 4. the reductions: the op per tensor (each through its own rule)
 _PER_TENSOR = {
     "_foreach_norm": lambda t, ord=2, dtype=None: aten.linalg_vector_norm.default(
@@ -118,6 +120,9 @@ def foreach(func, args, kwargs):
     n = max((len(v) for v in values if _is_list(v)), default=0)
     if n == 0 or any(_is_list(v) and len(v) not in (0, n) for v in values):
         return NotImplemented  # (torch's meta check has refused it before)
+    if name in _ALONE:  # not element-wise, no rule per tensor: each alone, whole
+        res = [_alone(func, args, kwargs, i, n, None) for i in range(n)]
+        return None if func._schema.returns == [] else _gather(res)
     if name in _PER_TENSOR:
         if func._schema.returns == [] or kwargs.get("out") is not None:
             return NotImplemented  # the out= overloads: the fallback
@@ -155,8 +160,7 @@ def foreach(func, args, kwargs):
             )
         _place(results, out, here, mesh, targets)
     for i in (i for i in range(n) if targets[i] is None):  # 3. alone, whole
-        sub = _subset(args, kwargs, [i], n, scalars)
-        _place(results, replicate_and_run(func, *sub), [i], None, None)
+        results[i] = _alone(func, args, kwargs, i, n, scalars)
     if func._schema.returns == [] or all(r is None for r in results):
         return None
     return _gather(results)
@@ -172,7 +176,9 @@ def amp_unscale(func, args, kwargs):
         found_inf = max over the mesh of found_inf_r    (one all-reduce of one float per
                                                          mesh dim)
 
-    (The fallback gathered every gradient whole at every step.)"""
+    (The fallback gathered every gradient whole at every step.) One difference from one
+    device: a Partial gradient whose parts are all finite but whose sum overflows (fp16)
+    is not flagged here; its first use after the sum sees the inf."""
     st = c.shard_tensor_cls()
     grads, found_inf, inv_scale = (*args, *kwargs.values())
     if isinstance(found_inf, st) or isinstance(inv_scale, st):
@@ -201,6 +207,13 @@ def _interned(tensors) -> list:
                 lay = first
         out.append((lay, tuple(shape), w))
     return out
+
+
+def _alone(func, args, kwargs, i, n, scalars):
+    """Element i through the whole-tensor fallback: its results, as :func:`_place` keeps them."""
+    one: list = [None]
+    _place(one, replicate_and_run(func, *_subset(args, kwargs, [i], n, scalars)), [0], None, None)
+    return one[0]
 
 
 def _written_positions(func, args, kwargs) -> list[bool]:
@@ -288,22 +301,26 @@ def _blocks(args, kwargs, idx, n, targets, written, mesh, cause, back, scalars):
 
 def _place(results, out, idx, mesh, layouts) -> None:
     """Results of the elements ``idx``: a list of tensors, or a tuple of such lists (the
-    out-of-place fused steps); blocks are wrapped in their element's layout."""
+    out-of-place fused steps; one is empty where the step has no such state, as
+    ``max_exp_avg_sqs`` without amsgrad); blocks are wrapped in their element's layout."""
     if out is None:
         return
     lists = out if isinstance(out, tuple) else (out,)
     for j, i in enumerate(idx):
         got = []
         for lst in lists:
-            t = lst[j]
+            t = lst[j] if len(lst) else _NONE
             if mesh is not None and layouts[i] not in (None, PLAIN) and isinstance(t, torch.Tensor):
                 t = c.wrap(t, mesh, layouts[i])  # (element-wise: shaped like its element)
             got.append(t)
         results[i] = (got, isinstance(out, tuple))
 
 
+_NONE = object()  # in an empty result list
+
+
 def _gather(results):
     tupled = results[0][1]
     k = len(results[0][0])
-    lists = [[r[0][j] for r in results] for j in range(k)]
+    lists = [[r[0][j] for r in results if r[0][j] is not _NONE] for j in range(k)]
     return tuple(lists) if tupled else lists[0]
