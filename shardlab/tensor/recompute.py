@@ -118,8 +118,12 @@ def grad(
         is_grads_batched=is_grads_batched,
     )
     if materialize_grads:  # (torch refuses it for edges: done here, for the tensors)
+        if any(r is None and not isinstance(t, torch.Tensor) for r, t in zip(result, inputs)):
+            raise RuntimeError(
+                "materialize_grads cannot be used when the given input is a GradientEdge"
+            )
         result = tuple(
-            torch.zeros_like(t) if r is None and isinstance(t, torch.Tensor) else r
+            torch.zeros_like(t, requires_grad=create_graph) if r is None else r
             for r, t in zip(result, inputs)
         )
     return result
