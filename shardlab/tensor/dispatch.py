@@ -89,9 +89,8 @@ def _decide(key, func, args, kwargs):
     before = getattr(args[0], "_layout", None) if written == [0] and args else None
     raw = _run(func, args, kwargs, meta, ran)
     out = _with_strides(raw, meta, (args, kwargs))
-    for i in written:  # a write into a view that had to be a copy
-        if i < len(args) and isinstance(args[i], c.shard_tensor_cls()):
-            c.written(args[i])
+    if written:  # a write into a view that had to be a copy: into its base too
+        _written_views(func, args, kwargs, written)
     if key is not None and not written:
         if ran and ran[0] is _DECOMPOSED:  # decomposed with no rule tried first
             _remember_decomposed(key, func, args, kwargs, out, ran[1])
@@ -100,6 +99,18 @@ def _decide(key, func, args, kwargs):
     elif key is not None and before is not None and ran == [pointwise_rule]:
         _remember_inplace(key, func, args, kwargs, out, before)
     return out
+
+
+def _written_views(func, args, kwargs, written) -> None:
+    """:func:`~.aten._common.written` for each ShardTensor the op wrote: by position, by
+    name (``out=``), and inside a written list (``_foreach_add_``)."""
+    st = c.shard_tensor_cls()
+    names = func._schema.arguments
+    for i in written:
+        a = args[i] if i < len(args) else kwargs.get(names[i].name)
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, st):
+                c.written(t)
 
 
 def _remember_inplace(key, func, args, kwargs, out, before) -> None:

@@ -169,3 +169,36 @@ def test_view_copy_and_slice_copy_are_copies(ranks_for):
 
     for ok in ranks_for(2).run(body):
         assert all(ok), ok
+
+
+def test_writes_by_foreach_and_out_reach_the_base_of_a_copied_view(ranks_for):
+    """A view of a cut tensor that is a copy (``diagonal``, ``as_strided``) passes what is
+    written into it back to its base: also when a foreach op writes it inside a list
+    (``torch._foreach_add_``) or an op writes it as ``out=``; the writes were lost."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        g = torch.arange(42.0).reshape(6, 7)
+        views = {
+            "diagonal": lambda t: t.diagonal(),
+            "as_strided": lambda t: t.as_strided((3, 7), (14, 1)),
+        }
+        ok = []
+        for name, view in views.items():
+            for d, sizes in ((0, [4, 2]), (1, [4, 3])):
+                x, want = distribute(g.clone(), mesh, [Shard(d)], [sizes]), g.clone()
+                v, w = view(x), view(want)
+                torch._foreach_add_([v], [torch.ones(w.shape)])
+                torch._foreach_add_([w], [torch.ones(w.shape)])
+                first = torch.equal(x.full_tensor(), want)
+                torch.mul(v, 2, out=v)
+                torch.mul(w, 2, out=w)
+                ok.append((name, d, first, torch.equal(x.full_tensor(), want)))
+        return ok
+
+    for res in ranks_for(2).run(body):
+        assert all(a and b for _, _, a, b in res), res
