@@ -353,7 +353,7 @@ def _meta_call(func, args, kwargs):
 
 def _meta_call_here(func, args, kwargs):
     margs, mkwargs = tree_map(meta_of, (args, kwargs))
-    if _cpu_scalars(func) is not None:
+    if scalars_index(func) is not None:
         margs, mkwargs = _keep_cpu_scalars(func, args, kwargs, margs, mkwargs)
     if func in _HALF_ONLY_META:
         return _as_half_on_meta(func, margs, mkwargs)
@@ -381,7 +381,7 @@ def _meta_call_here(func, args, kwargs):
 _CPU_SCALARS: dict = {}  # op -> the index of its ``Tensor scalars`` argument, or None
 
 
-def _cpu_scalars(func):
+def scalars_index(func):
     """The foreach ops' ``Tensor scalars`` (``_foreach_addcdiv_.Tensor``, which compiled
     optimizers call): their meta kernel wants that tensor on the CPU, as it is."""
     if func not in _CPU_SCALARS:

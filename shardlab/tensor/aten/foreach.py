@@ -257,7 +257,7 @@ def _subset(args, kwargs, idx, n, scalars=None):
 def _scalars_at(func, args, kwargs):
     """The value index (positional, then keyword) of a ``Tensor scalars`` argument of one
     number per element, or None."""
-    i = c._cpu_scalars(func)
+    i = c.scalars_index(func)
     if i is None:
         return None
     if i < len(args):
