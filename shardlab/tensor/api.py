@@ -380,6 +380,9 @@ class ShardTensor(DTensor):
         if traced.tracing() is not None:  # an eager region under torch.compile
             return _EAGER_TF[0](cls, func, types, args, kwargs)
         compiling = traced.COMPILED and torch.compiler.is_compiling()
+        if type(func) is _GETTER and func.__name__ == "__get__" and not compiling:
+            # .grad, .dtype, .shape ...: read as they are
+            return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
         if compiling and func not in _OWN_CALLS:
             if traced.one_rank(args, kwargs):  # traced: nothing to lift (see traced.py)
                 pooled = traced.pooled_mean(func, args, kwargs or _NO_KWARGS)
@@ -433,6 +436,7 @@ class ShardTensor(DTensor):
 
 
 _INFERENCE_MODE = torch.is_inference_mode_enabled
+_GETTER = type(torch.Tensor.grad.__get__)  # a property of torch's tensors, read
 _TRACKED: dict = {}  # aten view op -> does autograd's view bookkeeping see its result?
 
 

@@ -31,12 +31,23 @@ from shardlab.tensor import decisions, nograd, traced
 from shardlab.tensor.aten import HANDLERS, register
 from shardlab.tensor.aten import _common as c
 from shardlab.tensor.aten.fallback import replicate_and_run
+from shardlab.tensor.aten.foreach_aligned import aligned
 from shardlab.tensor.aten.pointwise import is_pointwise, pointwise, replay
 from shardlab.tensor.aten.whole import on_blocks, whole_arguments
 
 __all__ = ["dispatch", "register"]
 
 _TABLE = decisions._TABLE  # (read inline: the hit path)
+
+
+def _foreach_ids() -> set:
+    """ids of every overload of the ops :func:`~.aten.foreach.foreach` handles."""
+    from shardlab.tensor.aten.foreach import _ops
+
+    return {id(getattr(p, o)) for p in _ops() for o in p.overloads()}
+
+
+_ALIGNED = _foreach_ids()
 
 aten = torch.ops.aten
 # ops whose meta run is pointless (no shape arguments to check) or unsupported
@@ -51,6 +62,11 @@ _NO_META = {
 
 
 def dispatch(func, args, kwargs):
+    if id(func) in _ALIGNED:  # a foreach op whose elements are each of one layout
+        out = aligned(func, args, kwargs)
+        if out is not NotImplemented:
+            nograd.seen(None, func, None)
+            return out
     key = decisions.signature(func, args, kwargs)
     if key is not None:
         try:

@@ -287,6 +287,72 @@ def test_optimizers_on_cut_parameters_equal_one_device(ranks_for, world, mesh_sh
         assert res == {n: (True, True) for n in names}, res
 
 
+def test_aligned_calls_take_no_meta_run_and_equal_torch(ranks_for):
+    """The one-pass path (``foreach.aligned``: each element's tensors of one layout): an
+    AdamW step (``foreach=True``) on uneven cut parameters makes no meta run and sends
+    nothing; out of place, each result has its element's layout and torch's strides. The
+    cases it leaves to the full path still equal torch: a transposed (non-contiguous)
+    ``self``, a Partial element, a plain element among cut ones, elements cut unlike
+    each other's tensors."""
+
+    def body():
+        import shardlab
+        import shardlab.tensor.aten._common as c
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        n = mesh.size()
+        sizes = [[1 + 2 * r for r in range(n)]]
+        rows = sum(sizes[0])
+        torch.manual_seed(0)
+        full = [torch.randn(rows, 3, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+        params = [distribute(full[0], mesh, [Shard(0)], sizes).requires_grad_(),
+                  distribute(full[1], mesh, [Replicate()]).requires_grad_()]  # fmt: skip
+        ref = [f.clone().requires_grad_() for f in full]
+        for p, r in zip(params, ref):
+            g = torch.randn(r.shape, dtype=torch.float64)
+            r.grad = g
+            p.grad = distribute(g, mesh, list(p.placements), sizes if p.ndim == 2 else None)
+        opt, ropt = (torch.optim.AdamW(ps, lr=0.1, foreach=True) for ps in (params, ref))
+        opt.step(), ropt.step()
+        metas, real = [], c.meta_call
+        c.meta_call = lambda *a, **k: metas.append(a[0]) or real(*a, **k)
+        try:
+            with shardlab.trace() as tr:
+                opt.step()
+        finally:
+            c.meta_call = real
+        ropt.step()
+        out = {"meta runs": metas, "sent": tr.bytes()}
+        out["step"] = all(torch.equal(p.full_tensor(), r) for p, r in zip(params, ref))
+        a = distribute(full[0], mesh, [Shard(0)], sizes)
+        got, want = torch._foreach_sqrt([a.abs()]), torch._foreach_sqrt([full[0].abs()])
+        out["out of place"] = (got[0]._layout == a._layout, got[0].stride() == want[0].stride(),
+                               torch.equal(got[0].full_tensor(), want[0]))  # fmt: skip
+        t = distribute(full[0].t().contiguous(), mesh, [Shard(1)], sizes).t()  # (rows, 3)
+        got, want = torch._foreach_exp([t]), torch._foreach_exp([full[0].t().contiguous().t()])
+        out["transposed"] = (
+            got[0].stride() == want[0].stride(),
+            torch.equal(got[0].full_tensor(), want[0]),
+        )
+        ones = torch.full((2,), float(n), dtype=torch.float64)
+        part = shardlab.ShardTensor.from_local(ones, mesh, [Partial()])
+        plain, cut = torch.ones(4, dtype=torch.float64), distribute(full[1], mesh, [Replicate()])
+        other = distribute(full[0], mesh, [Replicate()])  # element 0 cut unlike a
+        torch._foreach_mul_([part, plain, a], [2.0, 3.0, 4.0])
+        torch._foreach_add_([a, cut], [other, cut])
+        out["full path"] = (torch.equal(part.full_tensor(), torch.full((2,), 2.0 * n * n)),
+                            torch.equal(plain, torch.full((4,), 3.0)),
+                            torch.equal(a.full_tensor(), 5 * full[0]),
+                            torch.equal(cut.full_tensor(), 2 * full[1]))  # fmt: skip
+        return out
+
+    for world in (1, 3):
+        for res in ranks_for(world).run(body):
+            assert res == {"meta runs": [], "sent": 0, "step": True, "out of place": (True,) * 3,
+                           "transposed": (True, True), "full path": (True,) * 4}, res  # fmt: skip
+
+
 @pytest.mark.parametrize("foreach", [False, True])
 def test_grad_scaler_on_cut_parameters_equal_one_device(ranks_for, foreach):
     """``torch.amp.GradScaler`` around fp16 autocast, an inf in one step's input (the step is

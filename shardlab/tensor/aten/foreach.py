@@ -28,6 +28,10 @@ every list (a parameter, its gradient, its optimizer states)::
 5. ``GradScaler``'s unscale (:func:`amp_unscale`): the kernel on the blocks, then one
    all-reduce of ``found_inf``.
 
+The common case (each element's tensors of one layout, nothing Partial: every optimizer
+step on parameters whose gradients and states are laid out like them) takes a one-pass
+path before any of this (:mod:`.foreach_aligned`).
+
 Before this rule, the in-place ops (every optimizer step) went to the fallback, which
 wrote the new values into gathered copies only: cut parameters were silently not updated.
 """
