@@ -380,9 +380,11 @@ class ShardTensor(DTensor):
         if traced.tracing() is not None:  # an eager region under torch.compile
             return _EAGER_TF[0](cls, func, types, args, kwargs)
         compiling = traced.COMPILED and torch.compiler.is_compiling()
-        if type(func) is _GETTER and func.__name__ == "__get__" and not compiling:
-            # .grad, .dtype, .shape ...: read as they are
-            return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
+        if type(func) is _GETTER and not compiling:
+            if func.__name__ == "__get__":  # .grad, .dtype, .shape ...: read as they are
+                return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
+            if func.__self__ is _DATA:  # ``p.data = new``
+                return _set_data(func, types, args)
         if compiling and func not in _OWN_CALLS:
             if traced.one_rank(args, kwargs):  # traced: nothing to lift (see traced.py)
                 pooled = traced.pooled_mean(func, args, kwargs or _NO_KWARGS)
@@ -433,6 +435,38 @@ class ShardTensor(DTensor):
         if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
             return _normal_view(func, args, kwargs or _NO_KWARGS)
         return (_DISPATCH or _dispatch())[0](func, args, kwargs or _NO_KWARGS)  # checks stand-ins
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def _set_data(func, types, args):
+    """``p.data = new`` (``vector_to_parameters``, older training code): torch swaps the
+    tensor's metadata only, which left a ShardTensor's block and layout as they were (a
+    silent no-op; DTensor's too). ``new`` must be a ShardTensor on ``p``'s mesh: ``p`` takes
+    its block (shared, as torch shares storage), layout and global shape, dtype, strides.
+    (A plain ``p`` never comes here: torch asks ``p`` alone for ``__torch_function__``.)"""
+    p, new = args
+    if type(p) is not ShardTensor:
+        return _disabled_torch_function(func, types, args, _NO_KWARGS)
+    if not isinstance(new, ShardTensor) or new.device_mesh is not p.device_mesh:
+        what = (
+            type(new).__name__
+            if not isinstance(new, ShardTensor)
+            else "a ShardTensor on another mesh"
+        )
+        raise RuntimeError(
+            f"p.data = new, with p a ShardTensor: new must be a ShardTensor on p's mesh, got "
+            f"{what}; lay a whole tensor out with shardlab.distribute(new, p.device_mesh, "
+            "p.placements), or write it in place with p.copy_(new) under torch.no_grad()"
+        )
+    _disabled_torch_function(func, types, args, _NO_KWARGS)  # the wrapper's sizes, dtype
+    p._local_tensor, p._spec, p._layout = new._local_tensor, new._spec, new._layout
+    for note in _NOTES:
+        p.__dict__.pop(note, None)
+    if "_writeback" in new.__dict__:  # a view that had to be a copy: writes reach its base
+        p._writeback = new._writeback
+    return None
 
 
 _INFERENCE_MODE = torch.is_inference_mode_enabled

@@ -377,3 +377,48 @@ def test_torch_save_and_load_keep_the_layout(ranks_for, tmp_path):
         return same + [isinstance(back["w"], torch.nn.Parameter)]
 
     assert ranks_for(4).run(body) == [[True, True, True]] * 4
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_assigning_data_replaces_block_and_layout(ranks_for, world):
+    """``p.data = new`` (``vector_to_parameters``, older training code) on a ShardTensor
+    parameter: torch swaps the tensor's metadata only, which left the block and layout as
+    they were (silently; DTensor's too). Now ``p`` takes ``new``'s block, layout, dtype and
+    shape, keeps its identity (a leaf Parameter), and trains on; a plain ``new`` raises a
+    RuntimeError naming the fix, on every rank."""
+
+    def body():
+        import torch.nn as nn
+
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        n = mesh.size()
+        g = torch.randn(
+            2 * n + 1, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+        )
+        p = nn.Parameter(distribute(g.float(), mesh, [Shard(0)]))
+        before = id(p)
+        new = distribute(g * 2, mesh, [Shard(1)], [[5 - (n - 1)] + [1] * (n - 1)])
+        p.data = new
+        out = [id(p) == before, p.is_leaf, p.dtype == torch.float64, p._layout == new._layout]
+        out.append(torch.equal(p.full_tensor(), g * 2))
+        p.sum().backward()  # trains on, in its new layout
+        out.append(torch.equal(p.grad.full_tensor(), torch.ones_like(g)))
+        # vector_to_parameters on cut parameters, against one device (every parameter a
+        # ShardTensor: torch asks a plain one alone, and ``plain.data = st`` is torch's)
+        m = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)).double()
+        ref = [q.detach().clone() for q in m.parameters()]
+        cuts = [(m[0], "weight", [Shard(0)]), (m[0], "bias", [Replicate()]),
+                (m[1], "weight", [Shard(1)]), (m[1], "bias", [Shard(0)])]  # fmt: skip
+        for mod, name, how in cuts:
+            setattr(mod, name, nn.Parameter(distribute(getattr(mod, name).detach(), mesh, how)))
+        vec = torch.nn.utils.parameters_to_vector(m.parameters())
+        torch.nn.utils.vector_to_parameters(vec * 3, m.parameters())
+        full = [q.full_tensor() if hasattr(q, "full_tensor") else q for q in m.parameters()]
+        out.append(all(torch.equal(a, 3 * b) for a, b in zip(full, ref)))
+        with pytest.raises(RuntimeError, match=r"p.data = new.*must be a ShardTensor.*distribute"):
+            p.data = g
+        return out
+
+    assert ranks_for(world).run(body) == [[True] * 7] * world
