@@ -48,12 +48,21 @@ def fenced(cls):
     @functools.wraps(forward)
     def forward_then_token(ctx, *args, **kwargs):
         out = forward(ctx, *args, **kwargs)
-        ctx.save_for_backward(*(getattr(ctx, "to_save", None) or ()), torch.empty(0))  # 1.
+        to_save = getattr(ctx, "to_save", None) or ()
+        ctx.save_for_backward(*to_save, torch.empty(0))  # 1.
+        ctx.shardlab_token_only = not to_save
         return out
 
     @functools.wraps(backward)
     def unpack_then_backward(ctx, *grads):
-        ctx.shardlab_kept = ctx.saved_tensors[:-1]  # 2. a pending recomputation runs here
+        try:
+            ctx.shardlab_kept = ctx.saved_tensors[:-1]  # 2. a pending recomputation runs here
+        except RuntimeError:  # freed by an earlier backward
+            if not ctx.shardlab_token_only:
+                raise  # (torch's "backward through the graph a second time")
+            # only the token was saved: a second backward through it works, as through
+            # torch's own ops that save nothing (a distributed input used in two steps)
+            ctx.shardlab_kept = ()
         return backward(ctx, *grads)
 
     cls.forward = staticmethod(forward_then_token)

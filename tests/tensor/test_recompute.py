@@ -375,3 +375,47 @@ def test_autograd_grad_arguments_as_torch(ranks_for):
 
     for res in ranks_for(2).run(body):
         assert res == {k: True for k in res} and len(res) == 6, res
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_an_input_distributed_once_trains_two_steps(ranks_for, world):
+    """The fence's token (an empty saved tensor) made every Function it guards refuse a
+    second backward: a distributed input that requires grad, used in two steps, raised
+    "backward through the graph a second time", where torch's own slice of it works. Now
+    x.grad and the weights' gradients add up as on one device; a second backward through
+    one graph (a conv saved its input) still raises torch's error, on every rank."""
+
+    def body():
+        import copy
+
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute
+
+        mesh = shardlab.this_rank().mesh
+        n = mesh.size()
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+        net = net.double()
+        one = copy.deepcopy(net)
+        x = torch.randn(2, 3, 11, 6, dtype=torch.float64)
+        x1, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        cut = distribute(xs, mesh, [Shard(2)], [[11 - 3 * (n - 1)] + [3] * (n - 1)])
+        for _ in range(2):
+            with shardlab.patched():
+                loss = net(cut).pow(2).mean()
+            loss.backward()
+            one(x1).pow(2).mean().backward()
+        same = torch.allclose(xs.grad, x1.grad, rtol=1e-12, atol=1e-14) and all(
+            torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+            for a, b in zip(net.parameters(), one.parameters())
+        )
+        with shardlab.patched():
+            loss = net(cut).pow(2).mean()
+        loss.backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+        return same
+
+    assert ranks_for(world).run(body) == [True] * world
