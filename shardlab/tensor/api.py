@@ -33,6 +33,7 @@ from shardlab.tensor._checks import (
     build_sizes,
 )
 from shardlab.tensor.losses import LOSSES, reduce_loss
+from shardlab.tensor.quantile import QUANTILES, quantile
 
 __all__ = ["ShardTensor", "scatter_tensor", "distribute"]
 
@@ -416,6 +417,10 @@ class ShardTensor(DTensor):
             out = autocast_call(func.__name__, func, loss, args, kwargs, device_type(args, kwargs))
             if out is not NotImplemented:
                 return out
+        if func in QUANTILES:  # a sort of the whole tensor
+            out = quantile(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         if func is torch.Tensor.unfold and isinstance(args[0], ShardTensor):  # halo windows
             from shardlab.ops.unfold import tensor_unfold
 
@@ -589,7 +594,7 @@ _BACKWARDS = {
 }
 _OWN_CALLS = frozenset(
     [*_BACKWARDS, torch.Tensor.unfold,
-     torch.nn.functional.cross_entropy, *LOSSES]
+     torch.nn.functional.cross_entropy, *LOSSES, *QUANTILES]
 )  # fmt: skip
 
 
