@@ -353,6 +353,57 @@ def test_aligned_calls_take_no_meta_run_and_equal_torch(ranks_for):
                            "transposed": (True, True), "full path": (True,) * 4}, res  # fmt: skip
 
 
+def test_plain_and_cut_parameters_in_one_model_with_clipping(ranks_for):
+    """Cut weights beside plain parameters (a LayerNorm, the biases), in one optimizer group,
+    ``clip_grad_norm_`` with its default ``foreach`` (on the CPU: ``g.mul_(clip_coef)`` per
+    gradient, a plain gradient times a 0-d ShardTensor), then AdamW foreach and fused: equal
+    to one device. The per-gradient ``mul_`` raised "Shape torch.Size([]) is not the
+    expected shape" (torch's meta reference for an in-place op takes a 0-d tensor as a
+    scalar only on the CPU; shardlab's meta copy was on the meta device)."""
+
+    def body():
+        import copy
+
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        import shardlab
+        from shardlab import distribute
+
+        mesh = shardlab.this_rank().mesh
+        n = mesh.size()
+        res = []
+        for kw in ({"foreach": True}, {"fused": True}, {"foreach": False}):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3)).double()
+            ref = copy.deepcopy(m)
+            w0 = distribute(
+                m[0].weight.detach(), mesh, [Shard(0)], [[7 - 2 * (n - 1)] + [2] * (n - 1)]
+            )
+            m[0].weight = nn.Parameter(w0)
+            m[2].weight = nn.Parameter(distribute(m[2].weight.detach(), mesh, [Shard(1)]))
+            opts = [
+                torch.optim.AdamW(x.parameters(), lr=0.05, weight_decay=0.1, **kw) for x in (m, ref)
+            ]
+            for k in range(3):
+                gen = torch.Generator().manual_seed(k)
+                x = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+                y = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+                for model, opt in zip((m, ref), opts):
+                    opt.zero_grad()
+                    with shardlab.patched():
+                        loss = F.mse_loss(model(x), y)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                    opt.step()
+            res.append(all(torch.allclose(_full(a), b, rtol=1e-12, atol=1e-14)
+                           for a, b in zip(m.parameters(), ref.parameters())))  # fmt: skip
+        return res
+
+    for world in (1, 3):
+        assert ranks_for(world).run(body) == [[True] * 3] * world
+
+
 @pytest.mark.parametrize("foreach", [False, True])
 def test_grad_scaler_on_cut_parameters_equal_one_device(ranks_for, foreach):
     """``torch.amp.GradScaler`` around fp16 autocast, an inf in one step's input (the step is

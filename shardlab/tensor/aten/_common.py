@@ -362,6 +362,9 @@ def _meta_call_here(func, args, kwargs):
     except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException):
         return None
     except RuntimeError as exc:
+        again = _with_cpu_scalars(func, margs, mkwargs)
+        if again is not None:
+            return again[0]
         text = str(exc)
         if "meta" in text.lower() and ("not implemented" in text or "backend" in text.lower()):
             return None
@@ -376,6 +379,29 @@ def _meta_call_here(func, args, kwargs):
         ):
             return None
         raise
+
+
+def _with_cpu_scalars(func, margs, mkwargs):
+    """``(result,)`` of the meta call again with each 0-d tensor a CPU one, or None. torch
+    takes a 0-d tensor beside a larger one as a scalar (``g.mul_(clip_coef)``, what
+    ``clip_grad_norm_`` does per gradient), but a meta kernel written as a reference checks
+    shapes strictly unless that tensor is on the CPU (``allow_cpu_scalar_tensors``)."""
+
+    changed = []
+
+    def cpu(a):
+        if isinstance(a, torch.Tensor) and a.ndim == 0 and a.device.type == "meta":
+            changed.append(a)
+            return torch.zeros((), dtype=a.dtype)
+        return a
+
+    cargs, ckwargs = tree_map(cpu, (margs, mkwargs))
+    if not changed:
+        return None
+    try:
+        return (func(*cargs, **ckwargs),)
+    except Exception:  # noqa: BLE001 (the first error is torch's answer)
+        return None
 
 
 _CPU_SCALARS: dict = {}  # op -> the index of its ``Tensor scalars`` argument, or None
