@@ -397,7 +397,8 @@ class ShardTensor(DTensor):
             # scalars; nothing to lift, nothing of ours above aten
             mesh = _one_mesh(args)
             if mesh is not None and mesh is not _MIXED:
-                if not compiling:  # nothing for autograd to record: on the blocks
+                if not compiling and func not in _NOT_LEARNT:  # nothing for autograd to
+                    # record: on the blocks (views, Python functions: never, asked first)
                     out = nograd.call(func, types, args, kwargs or _NO_KWARGS)
                     if out is not NotImplemented:
                         return out
@@ -476,6 +477,7 @@ def _set_data(func, types, args):
 
 _INFERENCE_MODE = torch.is_inference_mode_enabled
 _GETTER = type(torch.Tensor.grad.__get__)  # a property of torch's tensors, read
+_NOT_LEARNT = nograd._NEVER
 _TRACKED: dict = {}  # aten view op -> does autograd's view bookkeeping see its result?
 
 
