@@ -60,7 +60,9 @@ def _body(name: str):
     return body
 
 
-@pytest.mark.parametrize("name", ["resnet", "vit", "llama"])
+@pytest.mark.parametrize(
+    "name", ["resnet", pytest.param("vit", marks=pytest.mark.more_worlds), "llama"]
+)
 def test_ddp_over_dp_around_a_model_cut_over_cp(ranks_for, name):
     # decoders: transformers computes their loss in float32 (``logits.float()``)
     rtol, atol = (1e-5, 1e-7) if name in _zoo.DECODERS else (1e-9, 1e-12)

@@ -64,6 +64,9 @@ def _body(mesh_shape=None):
     return body
 
 
-@pytest.mark.parametrize("world, mesh_shape", [(1, None), (2, None), (3, None), (4, (2, 2))])
+@pytest.mark.parametrize(
+    "world, mesh_shape",
+    [(1, None), (2, None), pytest.param(3, None, marks=pytest.mark.more_worlds), (4, (2, 2))],
+)
 def test_quantile_equals_torch(ranks_for, world, mesh_shape):
     assert ranks_for(world).run(_body(mesh_shape)) == [(True, 180, (True, True))] * world
