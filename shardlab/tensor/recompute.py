@@ -24,7 +24,10 @@ them:
    recomputation of its block runs *now*, before the messages of its backward, on every
    rank alike.
 
-Outside a checkpointed block both cost an empty tensor kept until backward.
+Only where saved tensors are hooked (``saved_tensors_hooks``: a checkpointed block, its
+recomputation, offloading) is the token saved: elsewhere a Function that keeps nothing can be
+backpropagated twice, as torch's own ops that save nothing (an input distributed once, used in
+two steps).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from shardlab.tensor import compiled_grads, traced
+
+_HOOKED = torch._C._autograd._top_saved_tensors_default_hooks  # (ignore_is_tracing) -> hooks
 
 __all__ = ["fenced", "kept"]
 
@@ -49,20 +54,20 @@ def fenced(cls):
     def forward_then_token(ctx, *args, **kwargs):
         out = forward(ctx, *args, **kwargs)
         to_save = getattr(ctx, "to_save", None) or ()
-        ctx.save_for_backward(*to_save, torch.empty(0))  # 1.
-        ctx.shardlab_token_only = not to_save
+        ctx.shardlab_token = _HOOKED(True) is not None  # saved tensors are hooked (checkpoint)
+        ctx.shardlab_saved = bool(to_save)
+        if ctx.shardlab_token:
+            ctx.save_for_backward(*to_save, torch.empty(0))  # 1.
+        elif to_save:
+            ctx.save_for_backward(*to_save)
         return out
 
     @functools.wraps(backward)
     def unpack_then_backward(ctx, *grads):
-        try:
+        if ctx.shardlab_token:
             ctx.shardlab_kept = ctx.saved_tensors[:-1]  # 2. a pending recomputation runs here
-        except RuntimeError:  # freed by an earlier backward
-            if not ctx.shardlab_token_only:
-                raise  # (torch's "backward through the graph a second time")
-            # only the token was saved: a second backward through it works, as through
-            # torch's own ops that save nothing (a distributed input used in two steps)
-            ctx.shardlab_kept = ()
+        else:  # (read once freed, even an empty one raises: read only what was saved)
+            ctx.shardlab_kept = ctx.saved_tensors if ctx.shardlab_saved else ()
         return backward(ctx, *grads)
 
     cls.forward = staticmethod(forward_then_token)

@@ -296,6 +296,8 @@ def test_aligned_calls_take_no_meta_run_and_equal_torch(ranks_for):
     each other's tensors."""
 
     def body():
+        from torch.distributed.tensor import distribute_tensor
+
         import shardlab
         import shardlab.tensor.aten._common as c
         from shardlab import distribute, this_rank
@@ -341,16 +343,19 @@ def test_aligned_calls_take_no_meta_run_and_equal_torch(ranks_for):
         other = distribute(full[0], mesh, [Replicate()])  # element 0 cut unlike a
         torch._foreach_mul_([part, plain, a], [2.0, 3.0, 4.0])
         torch._foreach_add_([a, cut], [other, cut])
+        dt = distribute_tensor(full[1], mesh, [Shard(0)])  # a DTensor of torch's beside ours
+        torch._foreach_add_([cut, dt], [cut, dt.clone()])
         out["full path"] = (torch.equal(part.full_tensor(), torch.full((2,), 2.0 * n * n)),
                             torch.equal(plain, torch.full((4,), 3.0)),
                             torch.equal(a.full_tensor(), 5 * full[0]),
-                            torch.equal(cut.full_tensor(), 2 * full[1]))  # fmt: skip
+                            torch.equal(cut.full_tensor(), 4 * full[1]),
+                            torch.equal(dt.full_tensor(), 2 * full[1]))  # fmt: skip
         return out
 
     for world in (1, 3):
         for res in ranks_for(world).run(body):
             assert res == {"meta runs": [], "sent": 0, "step": True, "out of place": (True,) * 3,
-                           "transposed": (True, True), "full path": (True,) * 4}, res  # fmt: skip
+                           "transposed": (True, True), "full path": (True,) * 5}, res  # fmt: skip
 
 
 def test_plain_and_cut_parameters_in_one_model_with_clipping(ranks_for):

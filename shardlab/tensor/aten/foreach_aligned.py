@@ -17,7 +17,7 @@ to the full rule.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import DTensor, Partial
 
 from . import _common as c
 from .foreach import _ALONE, _PER_TENSOR, PLAIN
@@ -52,8 +52,8 @@ def aligned(func, args, kwargs):
         )  # fmt: skip
         if c.op_name(func) in _NOT_ALIGNED or c.scalars_index(func) is not None:
             kind = _RESULTS[func] = "other"
-    if kind == "other":
-        return NotImplemented
+    if kind == "other" or (kwargs and kwargs.get("memory_format") is not None):
+        return NotImplemented  # (a memory format: the full path's strides)
     lays: list = []  # per element: its layout, PLAIN, or None (0-d plain tensors only)
     mesh: list = []
     selfs: list = []  # out of place: the first list (torch lays results out like it)
@@ -67,8 +67,8 @@ def aligned(func, args, kwargs):
             _same_mesh(mesh, v)
             return v._local_tensor
         if tv is not list and tv is not tuple:
-            if isinstance(v, torch.Tensor) and v.ndim != 0:
-                raise _Off
+            if isinstance(v, torch.Tensor) and (v.ndim != 0 or isinstance(v, DTensor)):
+                raise _Off  # (a DTensor of torch's: the full path adopts it)
             return v
         if not v or not isinstance(v[0], torch.Tensor):
             return v  # numbers, or an empty optional list
@@ -83,6 +83,8 @@ def aligned(func, args, kwargs):
         for i, x in enumerate(v):
             if type(x) is st:
                 lay = x._layout
+                if lay is None:  # a traced stand-in: the full path breaks the graph
+                    raise _Off
                 if lay is not lays[i]:
                     _fits(lays, i, lay)
                 if x._spec.mesh is not m:
@@ -92,6 +94,8 @@ def aligned(func, args, kwargs):
                     mesh.append(m)
                 out.append(x._local_tensor)
             elif isinstance(x, torch.Tensor):
+                if isinstance(x, DTensor):  # torch's own: the full path adopts it
+                    raise _Off
                 if x.ndim != 0:
                     if lays[i] is not None and lays[i] is not PLAIN:
                         raise _Off
