@@ -455,7 +455,7 @@ def _set_data(func, types, args):
     p, new = args
     if type(p) is not ShardTensor:
         return _disabled_torch_function(func, types, args, _NO_KWARGS)
-    if not isinstance(new, ShardTensor) or new.device_mesh is not p.device_mesh:
+    if not isinstance(new, ShardTensor) or new.device_mesh != p.device_mesh:
         what = (
             type(new).__name__
             if not isinstance(new, ShardTensor)
@@ -468,10 +468,11 @@ def _set_data(func, types, args):
         )
     _disabled_torch_function(func, types, args, _NO_KWARGS)  # the wrapper's sizes, dtype
     p._local_tensor, p._spec, p._layout = new._local_tensor, new._spec, new._layout
-    for note in _NOTES:
+    for note in (*_NOTES, "_whole_to_local"):
         p.__dict__.pop(note, None)
-    if "_writeback" in new.__dict__:  # a view that had to be a copy: writes reach its base
-        p._writeback = new._writeback
+    for note in ("_writeback", "_whole_to_local"):  # (a copied view: writes reach its base)
+        if note in new.__dict__:
+            setattr(p, note, new.__dict__[note])
     return None
 
 
