@@ -381,6 +381,10 @@ class ShardTensor(DTensor):
         if traced.tracing() is not None:  # an eager region under torch.compile
             return _EAGER_TF[0](cls, func, types, args, kwargs)
         compiling = traced.COMPILED and torch.compiler.is_compiling()
+        if func is _TOLIST and type(args[0]) is ShardTensor and not compiling:
+            # torch refuses .tolist() for every subclass (DTensor too): the global tensor's
+            # values, on every rank (a collective when it is cut, as .item() of a Partial)
+            return args[0].detach().full_tensor().tolist()
         if type(func) is _GETTER and not compiling:
             if func.__name__ == "__get__":  # .grad, .dtype, .shape ...: read as they are
                 return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
@@ -479,6 +483,7 @@ def _set_data(func, types, args):
 _INFERENCE_MODE = torch.is_inference_mode_enabled
 _GETTER = type(torch.Tensor.grad.__get__)  # a property of torch's tensors, read
 _NOT_LEARNT = nograd._NEVER
+_TOLIST = torch.Tensor.tolist
 _TRACKED: dict = {}  # aten view op -> does autograd's view bookkeeping see its result?
 
 

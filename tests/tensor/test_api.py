@@ -422,3 +422,23 @@ def test_assigning_data_replaces_block_and_layout(ranks_for, world):
         return out
 
     assert ranks_for(world).run(body) == [[True] * 7] * world
+
+
+def test_tolist_gives_the_global_values_on_every_rank(ranks_for):
+    """``st.tolist()`` (printing, a metric in a notebook): torch refuses it for every tensor
+    subclass (DTensor too); a ShardTensor gives its global tensor's values on every rank,
+    uneven, Partial and 0-d ones too."""
+
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from shardlab import distribute
+
+        mesh = init_device_mesh("cpu", (2, 2))
+        g = torch.arange(7.0 * 5).reshape(7, 5)
+        x = distribute(g, mesh, [Shard(0), Shard(1)], [[5, 2], [1, 4]]).requires_grad_()
+        partial = x.sum(0)  # (a reduction over a cut dim: pending sums)
+        return [x.tolist() == g.tolist(), partial.tolist() == g.sum(0).tolist(),
+                x.sum().tolist() == g.sum().item()]  # fmt: skip
+
+    assert ranks_for(4).run(body) == [[True, True, True]] * 4
