@@ -65,6 +65,7 @@ def dispatch(func, args, kwargs):
     if id(func) in _ALIGNED:  # a foreach op whose elements are each of one layout
         out = aligned(func, args, kwargs)
         if out is not NotImplemented:
+            _written_views(func, args, kwargs, _written_args(func))
             nograd.seen(None, func, None)
             return out
     key = decisions.signature(func, args, kwargs)

@@ -119,27 +119,11 @@ def aligned(func, args, kwargs):
                         raise _Off
     except _Off:
         return NotImplemented
-    out = func(*bargs, **bkwargs)
-    for i, name in _written(func):  # a write into a view that had to be a copy: its base
-        for t in args[i] if i < len(args) else kwargs.get(name, ()):
-            if type(t) is st:
-                c.written(t)
+    out = func(*bargs, **bkwargs)  # (dispatch writes a copied view's base back)
     if kind == "none":
         return out
     m = mesh[0]
     return [t if lay is None or lay is PLAIN else st._wrap(t, m, lay) for t, lay in zip(out, lays)]
-
-
-_WRITTEN: dict = {}
-
-
-def _written(func) -> list:
-    """``(position, name)`` of each argument ``func`` writes."""
-    hit = _WRITTEN.get(func)
-    if hit is None:
-        names = func._schema.arguments
-        hit = _WRITTEN[func] = [(i, names[i].name) for i in c.written_args(func)]
-    return hit
 
 
 _PARTIAL: dict = {}  # id -> (layout, has it a Partial placement) (held: its id stays its)
@@ -172,13 +156,13 @@ def _fits(lays: list, i: int, lay) -> None:
     """Element i's layout so far is ``lays[i]`` (not ``lay`` itself): ``lay`` becomes it,
     or equals it, or :class:`_Off`."""
     known = lays[i]
-    if lay is None or known is PLAIN:
+    if known is PLAIN:
         raise _Off
     if known is None:
         if _partial(lay):
             raise _Off
         lays[i] = lay
-    elif (id(lay), id(known)) not in _EQUAL and not _equal(lay, known):
+    elif not _equal(lay, known):
         raise _Off
 
 
