@@ -37,3 +37,36 @@ def received_bytes(events, rank: int) -> float:
         elif e.kind in ("broadcast", "scatter") and e.peer != rank:
             total += e.bytes
     return total
+
+
+def ranks_on(world: int, device: str = "cpu", timeout: float = 120.0):
+    """``world`` ranks with their tensors on ``device``: gloo on the CPU; on CUDA nccl with
+    a GPU per rank where there are enough, else gloo ranks sharing the GPUs (messages
+    staged through host memory), as ``shardlab.testing.cuda_ranks_for`` chooses."""
+    import torch
+
+    import shardlab
+
+    if device == "cpu":
+        return shardlab.Ranks(world, timeout=timeout)
+    backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    return shardlab.Ranks(world, backend=backend, device="cuda", timeout=timeout)
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued kernels (CUDA), so that a timer sees them."""
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        torch.cuda.synchronize()
+
+
+def where(device: str) -> str:
+    """The machine in words: ``"<cores> CPU cores"`` or the GPU's name."""
+    import os
+
+    import torch
+
+    if device == "cuda":
+        return f"on one {torch.cuda.get_device_name(0)}"
+    return f"on {os.cpu_count()} CPU cores"

@@ -1,7 +1,7 @@
 """``torch.compile`` on sharded models: eager vs compiled step time, graphs and graph breaks.
 
 ``python benchmarks/bench_compile.py [--ranks 1,2,4] [--models resnet,llama]
-[--backend inductor] [--repeats 15]`` prints one row per (model, ranks): the zoo's
+[--backend inductor] [--repeats 15] [--device cuda]`` prints one row per (model, ranks): the zoo's
 ``transformers`` models (``tests/models/_zoo.py``, float32, train mode), vision models on
 pixel values cut along H, decoders on input ids and labels cut along the sequence, with
 uneven sizes; a step is forward + backward of the model's own loss, unchanged, under
@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import shardlab  # noqa: E402
+from benchmarks._common import ranks_on, synchronize, where  # noqa: E402
 from tests.models import _zoo  # noqa: E402
 
 
@@ -44,16 +45,19 @@ def body(name: str, backend: str, repeats: int):
     from shardlab import distribute, this_rank
 
     torch._dynamo.reset()
-    mesh = this_rank().mesh
+    mesh, dev = this_rank().mesh, this_rank().device
     n = mesh.size()
     if name in _zoo.DECODERS:
-        model = _zoo.decoder(name)
+        model = _zoo.decoder(name).to(dev)
         ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(3))
+        ids = ids.to(dev)
         full, labels, dim = {"input_ids": ids}, ids, 1
     else:
         model, _ = _zoo.vision(name)
-        g = torch.randn(_zoo.IMAGE, generator=torch.Generator().manual_seed(1))
-        full, labels, dim = {"pixel_values": g}, torch.tensor([1] * _zoo.IMAGE[0]), 2
+        model = model.to(dev)
+        g = torch.randn(_zoo.IMAGE, generator=torch.Generator().manual_seed(1)).to(dev)
+        labels = torch.tensor([1] * _zoo.IMAGE[0], device=dev)
+        full, dim = {"pixel_values": g}, 2
     model.train()
     sizes = _zoo.uneven(next(iter(full.values())).shape[dim], n)
 
@@ -64,10 +68,12 @@ def body(name: str, backend: str, repeats: int):
 
     def step(m):
         st, lab = inputs()
+        synchronize(dev)
         dist.barrier()
         t0 = time.perf_counter()
         out = m(**st, labels=lab)
         out.loss.backward()
+        synchronize(dev)
         took = time.perf_counter() - t0
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         model.zero_grad(set_to_none=True)
@@ -111,10 +117,12 @@ def main(argv=None):
     parser.add_argument("--models", default="resnet,llama")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args(argv)
-    rows = []
+    rows, backends = [], []
     for world in [int(w) for w in args.ranks.split(",")]:
-        with shardlab.Ranks(world, timeout=600) as ranks:
+        with ranks_on(world, args.device, timeout=600) as ranks:
+            backends.append(f"{world}: {ranks.backend}")
             for name in args.models.split(","):
                 res = ranks.run(body, name, args.backend, args.repeats)
                 r0 = res[0]
@@ -133,8 +141,8 @@ def main(argv=None):
                     )
                 )
     print(
-        f"torch {torch.__version__}, backend {args.backend}, gloo ranks on {os.cpu_count()} "
-        "cores, float32, forward + backward of the model's loss\n"
+        f"torch {torch.__version__}, backend {args.backend}, ranks ({', '.join(backends)}) "
+        f"{where(args.device)}, float32, forward + backward of the model's loss\n"
     )
     print(
         "| model | ranks | eager ms | compiled ms | compiled / eager | compile s | graphs "

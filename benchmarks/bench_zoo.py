@@ -1,6 +1,7 @@
 """The model zoo, run sharded and unchanged: exact or not, what it sends, how long a step takes.
 
-``python benchmarks/bench_zoo.py [--ranks 4] [--models resnet,vit,...] [--inference]`` prints
+``python benchmarks/bench_zoo.py [--ranks 4] [--models resnet,vit,...] [--inference]
+[--device cuda] [--dtype float32]`` prints
 one row per model: ``transformers`` models from small configs (``tests/models/_zoo.py``),
 float64, vision models on pixel values cut along H with uneven sizes, decoders on input ids
 and labels cut along the sequence. A step is forward + backward of the model's own loss;
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import shardlab  # noqa: E402
-from benchmarks._common import received_bytes  # noqa: E402
+from benchmarks._common import ranks_on, received_bytes, synchronize, where  # noqa: E402
 from tests.models import _zoo  # noqa: E402
 
 
@@ -42,24 +43,31 @@ def _step(model, kind, inputs, labels, inference=False):
     return out
 
 
-def body(name: str, repeats: int = 3, inference: bool = False):
+def cpu(t):
+    """Results go back to the parent on the CPU (no CUDA there before the ranks fork)."""
+    return None if t is None else t.detach().cpu()
+
+
+def body(name: str, repeats: int = 3, inference: bool = False, dtype: str = "float64"):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
     from shardlab import distribute, this_rank
 
-    mesh = this_rank().mesh
-    n = mesh.size()
+    mesh, dev = this_rank().mesh, this_rank().device
+    n, dt = mesh.size(), getattr(torch, dtype)
     if name in _zoo.DECODERS:
-        model, kind = _zoo.decoder(name).double(), "lm"
+        model, kind = _zoo.decoder(name).to(dev, dt), "lm"
         ids = torch.randint(0, _zoo.VOCAB, _zoo.TOKENS, generator=torch.Generator().manual_seed(3))
+        ids = ids.to(dev)
         full, labels, dim = {"input_ids": ids}, ids, 1
     else:
         model, kind = _zoo.vision(name)
-        model = model.double()
-        g = torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        model = model.to(dev, dt)
+        g = torch.randn(_zoo.IMAGE, dtype=dt, generator=torch.Generator().manual_seed(1)).to(dev)
         b, _, h, w = _zoo.IMAGE
         labels = torch.randint(0, 3, (b, h, w)) if kind == "seg" else torch.tensor([1] * b)
+        labels = labels.to(dev)
         full, dim = {"pixel_values": g}, 2
     if inference:
         model.eval()
@@ -75,8 +83,10 @@ def body(name: str, repeats: int = 3, inference: bool = False):
                 k: (v.clone().requires_grad_() if v.is_floating_point() else v)
                 for k, v in full.items()
             }
+            synchronize(dev)
             t0 = time.perf_counter()
             ref = _step(single, kind, xs, labels, inference)
+            synchronize(dev)
             times.append(time.perf_counter() - t0)
         one = (
             statistics.median(times[1:]),
@@ -96,6 +106,7 @@ def body(name: str, repeats: int = 3, inference: bool = False):
             }
             st = {k: distribute(v, mesh, [Shard(dim)], sizes) for k, v in xs.items()}
             lab = distribute(labels, mesh, [Shard(1)], sizes) if kind == "lm" else labels
+            synchronize(dev)
             dist.barrier()
             if i == 1:
                 with shardlab.trace() as t:
@@ -104,16 +115,17 @@ def body(name: str, repeats: int = 3, inference: bool = False):
             else:
                 t0 = time.perf_counter()
                 out = _step(model, kind, st, lab, inference)
+                synchronize(dev)
                 times.append(time.perf_counter() - t0)
     logits = out.logits.detach().full_tensor()
     grad = next((v.grad for v in xs.values() if v.is_floating_point()), None)
     step = max(statistics.median(times), 0)
     return {
         "one": None if one is None else one[0],
-        "one_logits": None if one is None else one[1],
-        "one_grad": None if one is None else one[2],
-        "logits": logits,
-        "grad": grad,
+        "one_logits": None if one is None else cpu(one[1]),
+        "one_grad": None if one is None else cpu(one[2]),
+        "logits": cpu(logits),
+        "grad": cpu(grad),
         "step": step,
         "events": [e for e in events],
         "recv": received_bytes(events, dist.get_rank()),
@@ -128,12 +140,15 @@ def main(argv=None):
     parser.add_argument(
         "--inference", action="store_true", help="the forward alone, eval mode, no grad"
     )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     args = parser.parse_args(argv)
-    ranks = shardlab.Ranks(args.ranks, timeout=120)
+    ranks = ranks_on(args.ranks, args.device)
     rows = []
+    exact = 1e-9 if args.dtype == "float64" else 1e-4  # float32: the sum order of the cut
     try:
         for name in args.models.split(","):
-            res = ranks.run(body, name, args.repeats, args.inference)
+            res = ranks.run(body, name, args.repeats, args.inference, args.dtype)
             r0 = res[0]
             err = (r0["logits"] - r0["one_logits"]).abs().max().item()
             if r0["grad"] is not None and r0["one_grad"] is not None:
@@ -147,7 +162,7 @@ def main(argv=None):
                 (
                     name,
                     args.ranks,
-                    "yes" if err < 1e-9 else f"no ({err:.1e})",
+                    "yes" if err < exact else f"no ({err:.1e})",
                     coll,
                     msgs,
                     max(r["recv"] for r in res) / 2**20,
@@ -160,11 +175,11 @@ def main(argv=None):
         ranks.close()
     step = "forward, eval mode, no grad" if args.inference else "forward + backward of the loss"
     print(
-        f"torch {torch.__version__}, {args.ranks} gloo ranks on {os.cpu_count()} cores, float64,"
-        f" {step}\n"
+        f"torch {torch.__version__}, {args.ranks} {ranks.backend} ranks, "
+        f"{where(args.device)}, {args.dtype}, {step}\n"
     )
     print(
-        "| model | ranks | exact (float64) | collectives / step | messages / step "
+        f"| model | ranks | exact ({args.dtype}) | collectives / step | messages / step "
         "| MiB recv / rank | whole-tensor fallbacks | step ms | 1 device ms |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
