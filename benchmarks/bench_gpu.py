@@ -4,8 +4,11 @@ convolution against ``F.conv2d`` (time and peak memory).
 Run (a machine with a CUDA GPU): ``python benchmarks/bench_gpu.py [--seq 16384,65536]
 [--ranks 1,2,4] [--multi-seq 16384] [--reps 3]``.
 
-Attention: bf16, causal, forward + backward (``out.sum().backward()``), B = 1, H = 16,
-D = 128, q, k, v cut along S in equal blocks:
+Attention: bf16, causal, forward + backward (``out.sum().backward()``; a rank sums its own
+part), B = 1, H = 16, D = 128, q, k, v cut along S in equal blocks. What is timed is the
+call and its backward on inputs made before (leaves; ShardTensors for shardlab, as a
+model's projections give them), except ``context_parallel``, whose context cuts its
+buffers on entry:
 
 * ``sdpa (one device)``: ``F.scaled_dot_product_attention`` on the whole tensors;
 * ``torch context_parallel``: torch's public API (``torch.distributed.tensor.experimental``),
@@ -16,7 +19,8 @@ D = 128, q, k, v cut along S in equal blocks:
 One rank: nccl. Several ranks on one GPU: gloo ranks sharing it (nccl refuses two ranks
 on one device), messages staged through host memory. Time: median of ``reps`` steps after a
 warm-up, kernels waited for, slowest rank. Peak: ``torch.cuda.max_memory_allocated`` over
-the step less what was allocated before it, largest rank (each rank is its own process).
+the timed call less what was allocated before it (the inputs), largest step and rank (each
+rank is its own process).
 
 Convolution: a (4, 32, 2048, 2048) bf16 image cut along H on one rank, ``nn.Conv2d``
 32 -> 32, 3x3, padding 1, forward + backward, against the same ``F.conv2d`` on the tensor.
@@ -29,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -36,23 +41,26 @@ from benchmarks._common import ranks_on  # noqa: E402
 
 
 def _measure(step, reps, dev):
-    """(median seconds, peak bytes above the start) of ``step()`` on ``dev``."""
+    """(median seconds, largest peak bytes above the start) of ``run()`` on ``dev``, where
+    ``step()`` gives ``run`` after making its inputs (not timed, not counted)."""
     import torch
     import torch.distributed as dist
 
-    step()  # warm-up: kernels chosen, caches filled
-    times = []
-    torch.cuda.synchronize(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
+    step()()  # warm-up: kernels chosen, caches filled
+    times, peaks = [], []
     for _ in range(reps):
+        run = step()
         torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
         dist.barrier()
         t0 = time.perf_counter()
-        step()
+        run()
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cuda.max_memory_allocated(dev) - base
+        peaks.append(torch.cuda.max_memory_allocated(dev) - base)
+        del run
+    return statistics.median(times), max(peaks)
 
 
 def attention(seqs, reps):
@@ -84,30 +92,37 @@ def _attention_at(s, reps):
 
     def sdpa():
         xs = leaves()
-        F.scaled_dot_product_attention(*xs, is_causal=True).sum().backward()
+        return lambda: F.scaled_dot_product_attention(*xs, is_causal=True).sum().backward()
 
     def ours(balanced):
-        def step():
-            xs = leaves()
-            with shardlab.patched():
-                if balanced:
-                    with ring.head_tail():
-                        parts = [ring.balance(x, mesh, [Shard(2)], dims=(2,)) for x in xs]
-                        y = F.scaled_dot_product_attention(*parts, is_causal=True)
-                else:
-                    parts = [distribute(x, mesh, [Shard(2)]) for x in xs]
+        def step():  # the inputs: ShardTensor leaves, as a model's projections give them
+            xs = [x.detach() for x in full]
+            if balanced:
+                with ring.head_tail():
+                    parts = [ring.balance(x, mesh, [Shard(2)], dims=(2,)) for x in xs]
+            else:
+                parts = [distribute(x, mesh, [Shard(2)]) for x in xs]
+            parts = [p.requires_grad_() for p in parts]
+
+            def run():
+                with shardlab.patched(), ring.head_tail() if balanced else nullcontext():
                     y = F.scaled_dot_product_attention(*parts, is_causal=True)
-                y.to_local().float().sum().backward()
+                    y.to_local().sum().backward()  # this rank's part of the sum: no message
+
+            return run
 
         return step
 
-    def context_parallel():
+    def context_parallel():  # cutting its buffers is part of its context: timed
         from torch.distributed.tensor.experimental import context_parallel as cp
 
-        xs = [x.detach().clone() for x in full]  # cut in place: leaves only inside
-        with cp(mesh, buffers=xs, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(xs)):
-            xs = [x.requires_grad_() for x in xs]
-            F.scaled_dot_product_attention(*xs, is_causal=True).sum().backward()
+        def run():
+            xs = [x.detach().clone() for x in full]  # cut in place: leaves only inside
+            with cp(mesh, buffers=xs, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(xs)):
+                xs = [x.requires_grad_() for x in xs]
+                F.scaled_dot_product_attention(*xs, is_causal=True).sum().backward()
+
+        return run
 
     methods = {"ring": ours(False)}
     if n > 1:
@@ -139,13 +154,17 @@ def conv(reps):
     w = torch.randn(32, 32, 3, 3, device=dev, dtype=torch.bfloat16, requires_grad=True)
 
     def plain():
-        F.conv2d(img.requires_grad_(), w, padding=1).float().sum().backward()
+        x = img.detach().requires_grad_()
+        return lambda: F.conv2d(x, w, padding=1).sum().backward()
 
     def ours():
-        x = img.detach().requires_grad_()
-        with shardlab.patched():
-            y = F.conv2d(distribute(x, mesh, [Shard(2)]), w, padding=1)
-            y.to_local().float().sum().backward()
+        x = distribute(img, mesh, [Shard(2)]).requires_grad_()
+
+        def run():
+            with shardlab.patched():
+                F.conv2d(x, w, padding=1).to_local().sum().backward()
+
+        return run
 
     return {name: _measure(step, reps, dev) for name, step in
             {"F.conv2d (one device)": plain, "halo conv2d (shardlab)": ours}.items()}  # fmt: skip
