@@ -88,11 +88,17 @@ def _with_global_strides(full: torch.Tensor, x) -> torch.Tensor:
     what they would read on one device."""
     if full.stride() == x.stride() or full.numel() == 0:
         return full
+    # an expanded dim (stride 0: every element along it the same, as one device holds it)
+    # is made from one slice of it, expanded: memory written through it would overlap
+    expanded = [d for d, (n, st) in enumerate(zip(x.shape, x.stride())) if st == 0 and n > 1]
+    base = [1 if d in expanded else n for d, n in enumerate(x.shape)]
+    strides = [1 if d in expanded else st for d, st in enumerate(x.stride())]
     try:
-        out = torch.empty_strided(tuple(x.shape), x.stride(), dtype=full.dtype)
-    except RuntimeError:
+        out = torch.empty_strided(base, strides, dtype=full.dtype, device=full.device)
+        out.copy_(full[tuple(slice(0, 1) if d in expanded else slice(None) for d in range(x.ndim))])
+    except RuntimeError:  # strides no dense tensor has (overlapping otherwise): as gathered
         return full
-    return out.copy_(full)
+    return out.expand(tuple(x.shape)) if expanded else out
 
 
 def _check_dense(func, result) -> None:
