@@ -12,7 +12,8 @@ uneven sizes; a step is forward + backward of the model's own loss, unchanged, u
 * compile s: the first compiled step (dynamo + the backend) less an eager step;
 * graphs / graph breaks / ops in graphs: dynamo's counters over the first compiled step
   (``unique_graphs``, the graph breaks, ``calls_captured``); collectives: what the tracer
-  counts in one forward on rank 0 (collective and point-to-point calls);
+  counts on rank 0 (collective and point-to-point calls) in one forward, and in one step
+  (forward + backward), eager and compiled;
 * exact: largest difference of the compiled step's logits and gradients against eager.
 
 shardlab's design (``shardlab/tensor/traced.py``): on a mesh of one rank the whole step is
@@ -95,8 +96,17 @@ def body(name: str, backend: str, repeats: int):
             compiled.append(step(compiled_model)[0])
         st, lab = inputs()
         with shardlab.trace() as t:
-            model(**st, labels=lab)
-    mine = [e for e in t.events if e.rank == dist.get_rank()]
+            out = model(**st, labels=lab)
+            forward = len(t.events)
+            out.loss.backward()
+        model.zero_grad(set_to_none=True)
+        with shardlab.trace() as t_step:  # the compiled step: the same messages
+            compiled_model(**inputs()[0], labels=inputs()[1]).loss.backward()
+        model.zero_grad(set_to_none=True)
+    rank = dist.get_rank()
+    mine = [e for e in t.events[:forward] if e.rank == rank]
+    step_events = [e for e in t.events if e.rank == rank]
+    compiled_events = [e for e in t_step.events if e.rank == rank]
     err = (logits_c - logits_e).abs().max().item()
     err = max([err] + [(a - b).abs().max().item() for a, b in zip(grads_c, grads_e)])
     return {
@@ -107,6 +117,8 @@ def body(name: str, backend: str, repeats: int):
         "breaks": breaks,
         "ops": ops,
         "collectives": len(mine),
+        "step collectives": len(step_events),
+        "compiled collectives": len(compiled_events),
         "err": err,
     }
 
@@ -138,6 +150,8 @@ def main(argv=None):
                         r0["ops"],
                         r0["collectives"],
                         max(r["err"] for r in res),
+                        r0["step collectives"],
+                        r0["compiled collectives"],
                     )
                 )
     print(
@@ -146,13 +160,14 @@ def main(argv=None):
     )
     print(
         "| model | ranks | eager ms | compiled ms | compiled / eager | compile s | graphs "
-        "| graph breaks | ops in graphs | collectives + messages (fwd) | max diff vs eager |"
+        "| graph breaks | ops in graphs | collectives + messages (fwd) "
+        "| collectives + messages (step: eager / compiled) | max diff vs eager |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[3] / r[2]:.2f} | {r[4]:.1f} "
-            f"| {r[5]} | {r[6]} | {r[7]} | {r[8]} | {r[9]:.1e} |"
+            f"| {r[5]} | {r[6]} | {r[7]} | {r[8]} | {r[10]} / {r[11]} | {r[9]:.1e} |"
         )
 
 
