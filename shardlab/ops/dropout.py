@@ -48,7 +48,7 @@ def mask_scheme(name: str):
         _SCHEME[0] = old
 
 
-def _global_indices(input) -> list[torch.Tensor]:
+def _global_indices(input, device=None) -> list[torch.Tensor]:
     """Per dim, the global indices this rank's block holds, shaped to broadcast against
     each other: consecutive, strided (a flattened (B*S) dim) or cut by two mesh dims."""
     layout, coord = input.sharding, tuple(input.device_mesh.get_coordinate())
@@ -56,14 +56,15 @@ def _global_indices(input) -> list[torch.Tensor]:
     for d in range(input.ndim):
         view = [1] * input.ndim
         view[d] = -1
-        out.append(torch.as_tensor(layout.dim_indices(d, coord), dtype=torch.long).view(view))
+        idx = torch.as_tensor(layout.dim_indices(d, coord), dtype=torch.long, device=device)
+        out.append(idx.view(view))
     return out
 
 
-def _global_flat_index(input) -> torch.Tensor:
-    """Global row-major flat index of every element of this rank's block."""
-    flat = torch.zeros((), dtype=torch.long)
-    for n, idx in zip(input.shape, _global_indices(input)):
+def _global_flat_index(input, device=None) -> torch.Tensor:
+    """Global row-major flat index of every element of this rank's block, on ``device``."""
+    flat = torch.zeros((), dtype=torch.long, device=device)
+    for n, idx in zip(input.shape, _global_indices(input, device)):
         flat = flat * n + idx
     return flat.expand(input.to_local().shape)
 
@@ -86,6 +87,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
         y = x * (keep.to(x.device) / (1 - p))
     else:
         seed = draw_seed()  # same generator state -> same seed
-        keep = (counter_uniform(seed, _global_flat_index(input)) >= p).to(x.dtype)
-        y = x * (keep.to(x.device) / (1 - p))  # the noise is drawn on the CPU
+        index = _global_flat_index(input, x.device)  # the mask is made where the block is
+        keep = (counter_uniform(seed, index) >= p).to(x.dtype)
+        y = x * (keep / (1 - p))
     return from_layout(y, input.device_mesh, input.sharding)

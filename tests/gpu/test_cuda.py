@@ -162,3 +162,54 @@ def test_explain_memory_column_on_cuda(cuda_ranks_for):
 
     for peak in cuda_ranks_for(2).run(body):
         assert peak is not None and peak >= 2 * 8 * 16 * 16 * 4, peak
+
+
+def test_dropout_mask_is_made_on_the_gpu_and_equals_the_cpu_one(cuda_ranks_for):
+    """``F.dropout`` of a cut CUDA ShardTensor: its keep mask (a function of the seed and
+    each element's global index, ``ops/_counter.py``) is made on the GPU, with the same
+    bits as on the CPU: the result equals the one-device mask built on the CPU."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute, this_rank
+        from shardlab.ops._counter import counter_uniform, draw_seed
+
+        mesh, dev = this_rank().mesh, this_rank().device
+        x = torch.randn(3, 11, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(4)
+        seed = draw_seed()
+        keep = counter_uniform(seed, torch.arange(x.numel()).view(x.shape)) >= 0.3
+        torch.manual_seed(4)
+        with shardlab.patched():
+            y = F.dropout(distribute(x.to(dev), mesh, [Shard(1)], [[8, 3]]), 0.3)
+        return y.to_local().device.type, torch.equal(y.full_tensor().cpu(), x * (keep.double() / 0.7))
+
+    assert cuda_ranks_for(2).run(body) == [("cuda", True)] * 2
+
+
+def test_whole_tensor_fallback_with_strided_arguments_on_cuda(cuda_ranks_for):
+    """An op with no rule (``scatter_add``) on CUDA ShardTensors whose global strides are
+    not the gathered tensor's (an index expanded over a dim, a transposed source): the
+    gathered copies keep those strides on the GPU, equal to one device."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        from shardlab import distribute, this_rank
+
+        mesh, dev = this_rank().mesh, this_rank().device
+        gen = torch.Generator().manual_seed(1)
+        src = torch.randn(4, 9, dtype=torch.float64, generator=gen).to(dev)  # (cols, rows)
+        idx = torch.randint(0, 3, (9,), generator=gen).to(dev)
+        s_src = distribute(src, mesh, [Shard(1)], [[5, 4]]).t()  # (rows, cols), strides (1, 9)
+        s_idx = distribute(idx, mesh, [Shard(0)], [[5, 4]])[:, None].expand(9, 4)
+        zeros = torch.zeros(3, 4, dtype=torch.float64, device=dev)
+        got = zeros.scatter_add(0, s_idx, s_src)
+        ref = zeros.scatter_add(0, idx[:, None].expand(9, 4), src.t())
+        return got.to_local().device.type, (got.full_tensor() - ref).abs().max().item()
+
+    for kind, err in cuda_ranks_for(2).run(body):
+        assert kind == "cuda" and err < 1e-12, (kind, err)
