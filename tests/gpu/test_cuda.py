@@ -185,7 +185,8 @@ def test_dropout_mask_is_made_on_the_gpu_and_equals_the_cpu_one(cuda_ranks_for):
         torch.manual_seed(4)
         with shardlab.patched():
             y = F.dropout(distribute(x.to(dev), mesh, [Shard(1)], [[8, 3]]), 0.3)
-        return y.to_local().device.type, torch.equal(y.full_tensor().cpu(), x * (keep.double() / 0.7))
+        want = x * (keep.double() / 0.7)
+        return y.to_local().device.type, torch.equal(y.full_tensor().cpu(), want)
 
     assert cuda_ranks_for(2).run(body) == [("cuda", True)] * 2
 

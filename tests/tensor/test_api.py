@@ -442,3 +442,33 @@ def test_tolist_gives_the_global_values_on_every_rank(ranks_for):
                 x.sum().tolist() == g.sum().item()]  # fmt: skip
 
     assert ranks_for(4).run(body) == [[True, True, True]] * 4
+
+
+def test_a_0d_shard_tensor_formats_its_global_value(ranks_for):
+    """``f"loss {loss:.4f}"`` in a training loop: torch formats a 0-d tensor's value (plain
+    tensors only; DTensor raises TypeError). A 0-d ShardTensor gives its global value on
+    every rank, Replicate or Partial (then a collective, as ``.item()``); a spec on a tensor
+    of more dims raises torch's TypeError; ``f"{x}"`` stays the repr."""
+
+    def body():
+        from torch.distributed.tensor import Partial
+
+        from shardlab import ShardTensor, distribute, this_rank
+
+        mesh, rank = this_rank().mesh, this_rank().rank
+        g = torch.arange(7.0).double() / 3
+        x = distribute(g, mesh, [Shard(0)], [[5, 2]])
+        loss = x.mean()
+        partial = ShardTensor.from_local(torch.tensor(rank + 0.25), mesh, [Partial()])
+        try:
+            f"{x:.2f}"
+            raised = None
+        except TypeError as e:
+            raised = str(e)
+        return [f"{loss:.4f}", f"{partial:>8.3f}", f"{loss:e}", raised, f"{x}" == repr(x)]
+
+    mean = torch.arange(7.0).double().div(3).mean()
+    for got in ranks_for(2).run(body):
+        assert got[:3] == [f"{mean:.4f}", f"{1.5:>8.3f}", f"{mean.item():e}"], got
+        assert got[3] is not None and "unsupported format string" in got[3], got
+        assert got[4] is True, got
