@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -68,12 +70,12 @@ print("forward and query gradient equal one device")
 # %% [markdown]
 # ## The ring, as messages
 #
-# Each arrow is one K or V block moving to the next rank.
+# Each arrow is one K/V block moving to the next rank (K and V travel in one message).
 
 # %%
 trace = Trace([e for _, events in results for e in events])
 print(trace.counts(rank=0))
-assert trace.counts(rank=0)["recv"] == 2 * (WORLD - 1)  # K and V of every other rank
+assert trace.counts(rank=0)["recv"] == WORLD - 1  # K and V of every other rank, once
 fig, ax = plt.subplots(figsize=(12, 3.6))  # wide enough for the ring's 12 steps
 _ = viz.plot_collectives(trace, ax=ax)
 

@@ -21,10 +21,11 @@ flash kernel, or on CUDA FlashAttention-2 or the memory-efficient kernel
 ``sdpa.ring forward [flash]``); other blocks hold scores of (S_local_q x S_local_kv)
 only (``[explicit]``).
 
-Messages per rank (blocks of size 0 are never sent):
+Messages per rank (blocks of size 0 are never sent; K and V of a block travel as one
+message, end to end in one buffer, as do dK and dV):
 
-* forward:  N-1 K blocks and N-1 V blocks received (every other rank's, once);
-* backward: the same K/V pairs again, plus N-1 dK/dV accumulator pairs. The
+* forward:  N-1 K/V blocks received (every other rank's, once);
+* backward: the same K/V blocks again, plus N-1 dK/dV accumulators. The
   accumulator of block j is born at rank j+1 (step 1), picks up each rank's
   contribution on its way round, and its last hop (step N-1) brings it home
   to rank j, which adds its own contribution. dQ never leaves the rank.
@@ -41,6 +42,7 @@ per-block math is in ``_ring_blocks.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -171,15 +173,37 @@ def _runs(pos: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
 
 def _post(plan: RingPlan, send: list, recv_shapes: list, like: torch.Tensor, cause: str):
     """Post sends of ``send`` to the next rank and receives (new buffers) from the
-    previous one; return (buffers, works). Nothing is posted for empty tensors."""
+    previous one; return (buffers, works). Nothing is posted for empty tensors.
+
+    K and V (dK and dV) of one dtype travel as one message each way: one flat buffer,
+    sent whole and received whole, split into the blocks (half the messages, each one's
+    latency paid once, as in torch's own ring)."""
     nxt, prv = plan.peers[(plan.me + 1) % plan.n], plan.peers[(plan.me - 1) % plan.n]
+    if len(send) > 1 and all(t.dtype == like.dtype and t.device == like.device for t in send):
+        numels = [math.prod(s) for s in recv_shapes]
+        out = like.new_empty(sum(numels))  # the blocks received, end to end
+        bufs = [b.view(s) for b, s in zip(out.split(numels), recv_shapes)]
+        send, recv = [torch.cat([t.reshape(-1) for t in send])], [out]
+    else:
+        bufs = recv = [like.new_empty(s) for s in recv_shapes]
     ops = [dist.P2POp(dist.isend, t, nxt, plan.group) for t in send if t.numel()]
-    bufs = [like.new_empty(s) for s in recv_shapes]
-    ops += [dist.P2POp(dist.irecv, b, prv, plan.group) for b in bufs if b.numel()]
+    ops += [dist.P2POp(dist.irecv, b, prv, plan.group) for b in recv if b.numel()]
     if not ops:
         return bufs, []
     with label(cause):
-        return bufs, post(ops)
+        return bufs, [*post(ops), _Keep(send)]
+
+
+class _Keep:
+    """Holds the sent buffers until the messages are waited for (a ``wait`` that waits
+    for nothing: the works posted beside it do)."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
+
+    def wait(self, *args) -> bool:
+        self.tensors = []
+        return True
 
 
 def _post_next_kv(plan: RingPlan, kv: list, j: int, t: int, cause: str):

@@ -65,11 +65,12 @@ def _inputs(cfg, gen):
 
 
 def _expected(local_k, sizes, d, dv, skip):
-    """(messages, bytes) received: K and V (or dK and dV) of every block j not in ``skip``;
-    a block holds (batch x heads of this rank) x sizes[j] rows; empty ones never travel."""
+    """(messages, bytes) received: K and V (or dK and dV) of every block j not in ``skip``,
+    one message a block (both in one buffer); a block holds (batch x heads of this rank)
+    x sizes[j] rows; empty ones never travel."""
     rows = local_k.shape[:-2].numel() * 8  # bytes per sequence row per feature (float64)
     js = [j for j in range(len(sizes)) if j not in skip and sizes[j] and rows]
-    return 2 * len(js), sum(rows * sizes[j] * (d + dv) for j in js)
+    return len(js), sum(rows * sizes[j] * (d + dv) for j in js)
 
 
 def _check_messages(t_f, t_b, k_local, kv_sizes, me, cfg, mesh_dim):
@@ -505,7 +506,7 @@ def test_sequence_cut_by_both_dims_of_a_2d_mesh_is_one_ring(ranks_for, causal):
         assert ok and same
         others = [n for n in (5, 3, 0, 5)]
         others.remove(mine)
-        assert count == 2 * sum(1 for n in others if n)  # K and V of every non-empty block
+        assert count == sum(1 for n in others if n)  # K and V of every non-empty block
         assert nbytes == 2 * sum(others) * 2 * 2 * 4 * 8
 
 
