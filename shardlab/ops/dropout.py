@@ -29,7 +29,7 @@ import contextlib
 import torch
 
 from shardlab.ops._cnn_common import check_no_partial
-from shardlab.ops._counter import counter_uniform, draw_seed
+from shardlab.ops._counter import counter_keep, draw_seed
 from shardlab.ops.registry import register
 
 SCHEMES = ("counter", "torch")
@@ -61,12 +61,20 @@ def _global_indices(input, device=None) -> list[torch.Tensor]:
     return out
 
 
-def _global_flat_index(input, device=None) -> torch.Tensor:
-    """Global row-major flat index of every element of this rank's block, on ``device``."""
-    flat = torch.zeros((), dtype=torch.long, device=device)
-    for n, idx in zip(input.shape, _global_indices(input, device)):
-        flat = flat * n + idx
-    return flat.expand(input.to_local().shape)
+def _rows_and_cols(input, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's block as (rows, cols) of the global row-major flat index, ``index =
+    rows[:, None] + cols[None, :]``: rows over the leading dims (times the last dim's
+    length), cols the last dim's global indices; on ``device``."""
+    idx = _global_indices(input, device)
+    if not idx:  # a 0-d tensor: one element, index 0
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        return zero, zero
+    lead = torch.zeros((), dtype=torch.long, device=device)
+    for n, i in zip(input.shape[:-1], idx[:-1]):
+        lead = lead * n + i
+    shape = input.to_local().shape
+    rows = lead.expand(*shape[:-1], 1).reshape(-1) * input.shape[-1]
+    return rows, idx[-1].reshape(-1)
 
 
 @register("dropout", row_wise=True)
@@ -87,7 +95,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
         y = x * (keep.to(x.device) / (1 - p))
     else:
         seed = draw_seed()  # same generator state -> same seed
-        index = _global_flat_index(input, x.device)  # the mask is made where the block is
-        keep = (counter_uniform(seed, index) >= p).to(x.dtype)
-        y = x * (keep / (1 - p))
+        # where the block is, a few rows at a time (the int64 hashing is ~40 B an element)
+        keep = counter_keep(seed, *_rows_and_cols(input, x.device), p).view(x.shape)
+        y = x * (keep.to(x.dtype) / (1 - p))
     return from_layout(y, input.device_mesh, input.sharding)
