@@ -63,7 +63,13 @@ def broadcast(q, k, v, enable_gqa):
 
 
 def check_shapes(q, k, v, enable_gqa) -> int:
-    """Query heads per K/V head (1 without GQA); torch's shape rules."""
+    """Query heads per K/V head (1 without GQA); torch's dtype and shape rules."""
+    if not (q.dtype == k.dtype == v.dtype):  # torch's check and words (the ring sends K, V as such)
+        raise RuntimeError(
+            "Expected query, key, and value to have the same dtype, but got query.dtype: "
+            f"{_c_name(q.dtype)} key.dtype: {_c_name(k.dtype)} and value.dtype: "
+            f"{_c_name(v.dtype)} instead."
+        )
     if not (q.ndim == k.ndim == v.ndim >= 2):
         raise RuntimeError(
             f"q, k, v must have the same ndim >= 2, got {q.ndim}, {k.ndim}, {v.ndim}"
@@ -81,6 +87,15 @@ def check_shapes(q, k, v, enable_gqa) -> int:
             + (" (enable_gqa: query heads must be a multiple of key heads)" if enable_gqa else "")
         )
     return hq // hk
+
+
+def _c_name(dtype) -> str:
+    """A dtype as torch's C++ messages name it (``float``, ``double``, ``c10::BFloat16``)."""
+    return _C_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+_C_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+            torch.bfloat16: "c10::BFloat16"}  # fmt: skip
 
 
 def layout_of(t, mesh) -> ShardLayout:

@@ -533,6 +533,15 @@ def test_errors(ranks_for):
                 sdpa(q, q, q, attn_mask=cols)
             with pytest.raises(RuntimeError, match="enable_gqa"):
                 sdpa(q, torch.randn(1, 3, 4, 2), torch.randn(1, 3, 4, 2), enable_gqa=True)
+            # K of another dtype: torch's error and words (the ring sent V into a buffer of
+            # K's dtype: a size mismatch on gloo, garbage on NCCL)
+            wide = q.double()
+            want = torch.randn(1, 1, 4, 2)
+            with pytest.raises(RuntimeError) as torch_error:
+                sdpa(want, want.double(), want)
+            with pytest.raises(RuntimeError, match="same dtype") as ours:
+                sdpa(q, wide, q)
+            assert str(ours.value) == str(torch_error.value)
         return True
 
     assert all(ranks_for(2).run(body))
