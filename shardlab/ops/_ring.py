@@ -183,7 +183,9 @@ def _post(plan: RingPlan, send: list, recv_shapes: list, like: torch.Tensor, cau
         numels = [math.prod(s) for s in recv_shapes]
         out = like.new_empty(sum(numels))  # the blocks received, end to end
         bufs = [b.view(s) for b, s in zip(out.split(numels), recv_shapes)]
-        send, recv = [torch.cat([t.reshape(-1) for t in send])], [out]
+        flat = _one_buffer(send)  # blocks that came as one message go on as they are
+        send = [flat if flat is not None else torch.cat([t.reshape(-1) for t in send])]
+        recv = [out]
     else:
         bufs = recv = [like.new_empty(s) for s in recv_shapes]
     ops = [dist.P2POp(dist.isend, t, nxt, plan.group) for t in send if t.numel()]
@@ -192,6 +194,20 @@ def _post(plan: RingPlan, send: list, recv_shapes: list, like: torch.Tensor, cau
         return bufs, []
     with label(cause):
         return bufs, [*post(ops), _Keep(send)]
+
+
+def _one_buffer(send: list):
+    """The 1-D buffer the tensors of ``send`` fill end to end, in order (K and V received
+    as one message at the step before), or None."""
+    base = send[0]._base
+    if base is None or base.ndim != 1 or base.numel() != sum(t.numel() for t in send):
+        return None
+    at = base.data_ptr()
+    for t in send:
+        if t._base is not base or not t.is_contiguous() or t.data_ptr() != at:
+            return None
+        at += t.numel() * t.element_size()
+    return base
 
 
 class _Keep:
