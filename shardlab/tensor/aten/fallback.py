@@ -93,9 +93,12 @@ def _with_global_strides(full: torch.Tensor, x) -> torch.Tensor:
     expanded = [d for d, (n, st) in enumerate(zip(x.shape, x.stride())) if st == 0 and n > 1]
     base = [1 if d in expanded else n for d, n in enumerate(x.shape)]
     strides = [1 if d in expanded else st for d, st in enumerate(x.stride())]
+    one = full[tuple(slice(0, 1) if d in expanded else slice(None) for d in range(x.ndim))]
+    if expanded and not torch.equal(one.expand(full.shape), full):
+        return full  # a stride of 0 over values that differ (a DTensor's local strides)
     try:
         out = torch.empty_strided(base, strides, dtype=full.dtype, device=full.device)
-        out.copy_(full[tuple(slice(0, 1) if d in expanded else slice(None) for d in range(x.ndim))])
+        out.copy_(one)
     except RuntimeError:  # strides no dense tensor has (overlapping otherwise): as gathered
         return full
     return out.expand(tuple(x.shape)) if expanded else out
