@@ -101,7 +101,8 @@ def body(name: str, backend: str, repeats: int):
             out.loss.backward()
         model.zero_grad(set_to_none=True)
         with shardlab.trace() as t_step:  # the compiled step: the same messages
-            compiled_model(**inputs()[0], labels=inputs()[1]).loss.backward()
+            st, lab = inputs()
+            compiled_model(**st, labels=lab).loss.backward()
         model.zero_grad(set_to_none=True)
     rank = dist.get_rank()
     mine = [e for e in t.events[:forward] if e.rank == rank]

@@ -234,8 +234,10 @@ class ShardTensor(DTensor):
     def __format__(self, format_spec: str) -> str:
         """``f"{loss:.4f}"``: a 0-d ShardTensor formats its global value, as torch formats a
         0-d tensor's ``.item()`` (torch does that for plain tensors only; DTensor raises).
-        ``.item()`` reads it on every rank: a collective when it is Partial. Without a
-        format spec, and for other tensors, torch's behaviour (``f"{x}"`` is the repr)."""
+        ``.item()`` reads it: a collective when it is Partial, so every rank must format
+        it then. Without a format spec ``f"{x}"`` is the repr, as ``print(x)`` (torch
+        prints a 0-d tensor's value there); a spec on a tensor of more dims raises torch's
+        TypeError."""
         if format_spec and self.dim() == 0:
             return self.item().__format__(format_spec)
         return super().__format__(format_spec)
