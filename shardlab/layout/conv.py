@@ -243,11 +243,15 @@ def _plan_conv(
     transposed: bool = False,
     output_padding: int = 0,
     ceil_mode: bool = False,
+    shift: int = 0,
 ) -> ConvPlan:
     """Plan a 1-D window op over an input cut into ``sizes``; see the module docstring.
 
     ``padding``: int, ``(left, right)``, ``'same'`` (stride 1) or ``'valid'``. For transposed
     conv it crops the full output like torch's ``padding`` (``(left, right)`` allowed).
+    ``shift`` (forward ops): an output goes to the rank owning the padded position
+    ``shift`` before its window's, not the window's own. ``F.pad`` (a window of 1) passes
+    its left pad: each row stays where it is and the edge ranks grow.
     """
     sizes = int_tuple("sizes", sizes)
     length = sum(sizes)
@@ -266,6 +270,8 @@ def _plan_conv(
         raise ValueError(f"output_padding {op} must be smaller than stride {st} or dilation {dl}")
     if not transposed and op:
         raise ValueError("output_padding is only meaningful for transposed=True")
+    if transposed and shift:
+        raise ValueError("shift is only meaningful for a forward op (transposed=False)")
     limit = {"reflect": length - 1, "circular": length}.get(padding_mode)
     if limit is not None and max(pad) > limit:
         raise ValueError(
@@ -275,7 +281,7 @@ def _plan_conv(
     n_out = conv_out_length(length, k, st, dl, pad[0], pad[1], transposed, op, ceil_mode)
 
     def first_output(x: int) -> int:  # first output whose anchor input index is >= x
-        j = x * st - pad[0] if transposed else -(-x // st)
+        j = x * st - pad[0] if transposed else -(-(x + shift) // st)
         return min(max(j, 0), n_out)
 
     nonempty = [r for r, n in enumerate(sizes) if n > 0]

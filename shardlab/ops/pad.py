@@ -9,6 +9,10 @@ live (circular wraps between the last and the first rank)::
 
 Messages: exactly the rows the padding copies from other ranks, point to point
 (the pad is a window op with kernel 1 run by :class:`shardlab.ops.halo.Halo`).
+
+Negative padding crops, as in torch: the rows cropped off a sharded dim are dropped
+where they live (a slice: no message), then the rest pads the cropped tensor (torch's
+order too: a circular pad wraps the cropped tensor's other end).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from shardlab.layout import conv_plan
+from shardlab.ops._cnn_common import check_no_partial, cut_once, meta_call
 from shardlab.ops.halo import Halo, peers_along
 from shardlab.ops.registry import register
 
@@ -32,14 +37,15 @@ _MODES = {
 def pad(input, pad, mode="constant", value=None):
     from shardlab.tensor import ShardTensor
 
-    if mode not in _MODES:
+    expected = _check(input, pad, mode, value)  # torch's error for bad arguments, every rank
+    if mode not in _MODES:  # (a mode torch adds later)
         raise NotImplementedError(
             f"pad: mode {mode!r} is not supported on a ShardTensor; supported: {list(_MODES)}"
         )
-    if len(pad) % 2 or len(pad) // 2 > input.ndim:
-        raise ValueError(
-            f"pad: padding length must be even and at most 2 x {input.ndim}, got {len(pad)}"
-        )
+    check_no_partial("pad", input)
+    input = cut_once("pad", input)  # a dim cut by two mesh dims: by the first one only
+    if any(p < 0 for p in pad):
+        return _cropped(input, pad, mode, value, expected)
     mesh, layout = input.device_mesh, input.sharding
     x = input.to_local()
     local_pad = [0] * len(pad)
@@ -57,10 +63,16 @@ def pad(input, pad, mode="constant", value=None):
         if not mesh_dims or (left == 0 and right == 0):
             local_pad[2 * j], local_pad[2 * j + 1] = left, right
             continue
-        if min(left, right) < 0:
-            raise NotImplementedError("pad: negative padding (cropping) of a sharded dim")
         m = mesh_dims[0]
-        plan = conv_plan(layout.sizes_along(dim), 1, 1, 1, (left, right), padding_mode=_MODES[mode])
+        if input.shape[dim] == 0:  # nothing to read (all cropped): the fill, on the first
+            first = mesh.get_coordinate()[m] == 0
+            grow = [0, 0] * (x.ndim - 1 - dim) + [left + right if first else 0, 0]
+            x = torch.nn.functional.pad(x, grow, value=0.0 if value is None else value)
+            sizes[m] = [left + right] + [0] * (mesh.shape[m] - 1)
+            continue
+        plan = conv_plan(
+            layout.sizes_along(dim), 1, 1, 1, (left, right), padding_mode=_MODES[mode], shift=left
+        )
         peers, me = peers_along(mesh, m)
         offset = layout.local_offset(tuple(mesh.get_coordinate()))[dim]
         fill = 0.0 if value is None else float(value)
@@ -78,3 +90,40 @@ def pad(input, pad, mode="constant", value=None):
             x, local_pad, mode=mode, **({"value": value} if value is not None else {})
         )
     return ShardTensor.from_local(x, mesh, layout.placements, sizes, shape=shape, validate=False)
+
+
+def _cropped(input, pads, mode, value, expected):
+    """``F.pad`` with negative pads (crops), in torch's order: reflect and replicate pad
+    from the whole tensor, then crop (their rows may come from the cropped part);
+    constant and circular crop, then pad (a circular pad wraps the cropped tensor). A
+    crop is a slice of the global tensor (no message). ``expected``: torch's shape."""
+    grow = [max(p, 0) for p in pads]
+    if mode in ("reflect", "replicate"):
+        out = _narrowed(pad(input, grow, mode, value), pads)
+    else:
+        out = _narrowed(input, pads)
+        out = pad(out, grow, mode, value) if any(grow) else out
+    if tuple(out.shape) != tuple(expected):  # never, by torch's definition of negative pads
+        raise NotImplementedError(f"pad: {tuple(pads)} of a sharded dim in mode {mode!r}")
+    return out
+
+
+def _narrowed(x, pads):
+    """``x`` without the rows the negative pads crop (the last dim first, as in ``pad``)."""
+    for j in range(len(pads) // 2):
+        dim = x.ndim - 1 - j
+        start, stop = max(-pads[2 * j], 0), x.shape[dim] - max(-pads[2 * j + 1], 0)
+        if start or stop != x.shape[dim]:
+            if stop < start:  # (torch's circular mode: uninitialised memory here)
+                raise NotImplementedError(
+                    f"pad: cropping {start} and {x.shape[dim] - stop} rows off dim {dim} of "
+                    f"{x.shape[dim]}"
+                )
+            x = x.narrow(dim, start, stop - start)
+    return x
+
+
+def _check(input, pad, mode, value) -> torch.Size:
+    """torch's pad on a meta tensor of the global shape (kept per arguments): its error on
+    every rank, else the shape of the result."""
+    return meta_call(torch._C._nn.pad, input, tuple(pad), mode, value).shape

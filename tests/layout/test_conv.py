@@ -129,6 +129,43 @@ def test_stride1_same_keeps_sizes():
         assert list(plan.out_sizes) == sizes
 
 
+def test_pad_plans_keep_every_row_where_it_is():
+    """F.pad's plan (a window of 1, ``shift`` = the left pad): the edge ranks grow by the
+    pads, each row stays on its rank, and the only rows received are those the padding
+    copies from another rank (none for zeros); the result equals torch's pad."""
+    rng = random.Random(2)
+    for _ in range(300):
+        sizes = random_sizes(rng, max_size=6)
+        left, right = rng.randint(0, 4), rng.randint(0, 4)
+        mode = rng.choice(MODES)
+        x = torch.randn(1, 1, sum(sizes))
+        torch_mode = "constant" if mode == "zeros" else mode
+        try:
+            ref = F.pad(x, (left, right), mode=torch_mode)
+        except RuntimeError:
+            continue
+        plan = conv_plan(sizes, 1, 1, 1, (left, right), padding_mode=mode, shift=left)
+        nonempty = [r for r, n in enumerate(sizes) if n]
+        grown = list(sizes)
+        grown[nonempty[0]] += left
+        grown[nonempty[-1]] += right
+        assert list(plan.out_sizes) == grown, (sizes, left, right, mode)
+        got = run_sharded(plan, x, lambda win, r: win)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        needed = {  # the global rows each rank's padding copies, from anyone
+            r: {g for g in plan.index_map(r) if g >= 0} - set(range(*_own(sizes, r)))
+            for r in range(len(sizes))
+        }
+        assert {r: plan.rows_received(r) for r in needed} == {r: len(v) for r, v in needed.items()}
+        if mode == "zeros":
+            assert all(plan.rows_received(r) == 0 for r in range(len(sizes)))
+
+
+def _own(sizes, r):
+    start = sum(sizes[:r])
+    return start, start + sizes[r]
+
+
 # ---------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     ("kwargs", "exc", "words"),
