@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 from shardlab.layout import ShardLayout, conv_plan
+from shardlab.ops._cnn_common import cut_once
 from shardlab.ops.conv import _tuple
 from shardlab.ops.halo import Halo, peers_along
 from shardlab.ops.registry import register
@@ -53,6 +54,7 @@ def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
     meta = F.unfold(
         torch.empty(input.shape, device="meta"), kernel_size, dilation, padding, stride
     )  # torch's own checks and shapes, alike on every rank
+    input = cut_once("unfold", input)  # a dim cut by two mesh dims: by the first one only
     lead = input.ndim - 2
     k, d = _tuple("kernel_size", kernel_size, 2), _tuple("dilation", dilation, 2)
     p, s = _tuple("padding", padding, 2), _tuple("stride", stride, 2)
@@ -108,6 +110,8 @@ def tensor_unfold(x, dimension: int, size: int, step: int):
 
     meta = torch.empty(x.shape, device="meta").unfold(dimension, size, step)  # torch's checks
     dim = dimension % max(x.ndim, 1)
+    if sum(isinstance(p, Shard) and p.dim == dim for p in x.sharding.placements) > 1:
+        x = cut_once("unfold", x)  # cut by two mesh dims: by the first one only
     layout = x.sharding
     cut = _cut_dims(layout, [dim])
     if not cut or not layout.is_block(dim):
