@@ -229,11 +229,57 @@ def local_mask(mask, query, key, mesh, coord):
     target = (*query.shape[:-1], key.shape[-2])  # (B, H_q, S_q, S_kv)
     if off < 0 or any(n not in (1, target[i + off]) for i, n in enumerate(mask.shape)):
         raise RuntimeError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target}")
+    mask = keys_whole(mask, query, mesh)
     lay = layout_of(mask, mesh)
     local = attached_local(mask, lay, query.sharding, mesh)
     for d, start, length in everywhere(mask_cuts, lay, query.sharding, off, at=coord):
         local = local.narrow(d, start, length)
     return local
+
+
+def keys_whole(mask, query, mesh):
+    """``mask`` laid out so that every rank holds all key columns of its query rows (the
+    ring takes a block of columns per step). A mask cut along its key dim (a key-padding
+    mask of cut keys: ``nn.MultiheadAttention``'s ``(B, 1, 1, S)``) moves, per mesh dim
+    that cuts the keys: to the query's cut of its query rows where it has rows and the
+    query is cut there (an all-to-all), else it is gathered (an all-gather: ``B x S``
+    values for a key-padding mask). Labelled ``auto-redistribute for attn_mask``."""
+    from shardlab.tensor import ShardTensor
+    from shardlab.tensor.api import _Redistribute
+
+    if not isinstance(mask, ShardTensor) or mask.ndim == 0 or mask.device_mesh != mesh:
+        return mask  # (layout_of says what is wrong with another mesh)
+    lay, ql, key = mask.sharding, query.sharding, mask.ndim - 1
+    cutting = [m for m, p in enumerate(lay.placements) if isinstance(p, Shard) and p.dim == key]
+    if not cutting or mask.shape[key] == 1:
+        return mask
+    places, sizes = list(lay.placements), list(lay.sizes)
+    row, q_row = key - 1, query.ndim - 2  # the mask's and the query's query-row dims
+    rows_free = row >= 0 and mask.shape[row] == query.shape[q_row] > 1 and not lay.cut_by(row)
+    for m in cutting:
+        qp = ql.placements[m]
+        if (
+            rows_free
+            and isinstance(qp, Shard)
+            and qp.dim == q_row
+            and ql.nested_outer(m) is None
+            and len(ql.cut_by(q_row)) == 1
+            and lay.nested_outer(m) is None
+        ):
+            places[m], sizes[m] = Shard(row), ql.sizes[m]  # the query's rows
+            rows_free = False
+        else:
+            places[m], sizes[m] = Replicate(), None
+    for m, p in enumerate(places):  # an inner nest whose outer was gathered: one piece
+        if (
+            isinstance(p, Shard)
+            and sizes[m] is not None
+            and len(sizes[m]) > 1
+            and not any(isinstance(places[k], Shard) and places[k].dim == p.dim for k in range(m))
+        ):
+            sizes[m] = (tuple(map(sum, zip(*sizes[m]))),)
+    dst = lay.replace(placements=tuple(places), sizes=tuple(sizes))
+    return _Redistribute.apply(mask, dst, "auto-redistribute for attn_mask")
 
 
 def mask_cuts(lay, ql, off, coord) -> list:

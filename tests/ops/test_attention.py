@@ -528,9 +528,6 @@ def test_errors(ranks_for):
             heads = distribute(torch.randn(1, 2, 4, 2), mesh, [Shard(1)])  # k/v: other heads
             with pytest.raises(NotImplementedError, match="k/v do not hold rows"):
                 sdpa(distribute(torch.randn(1, 2, 4, 2), mesh, [Shard(2)]), heads, heads)
-            cols = distribute(torch.zeros(4, 4), mesh, [Shard(1)])
-            with pytest.raises(NotImplementedError, match="key"):
-                sdpa(q, q, q, attn_mask=cols)
             with pytest.raises(RuntimeError, match="enable_gqa"):
                 sdpa(q, torch.randn(1, 3, 4, 2), torch.randn(1, 3, 4, 2), enable_gqa=True)
             # K of another dtype: torch's error and words (the ring sent V into a buffer of
@@ -547,6 +544,52 @@ def test_errors(ranks_for):
     assert all(ranks_for(2).run(body))
 
 
+def test_a_mask_cut_along_the_keys_moves_to_the_query_rows(ranks_for):
+    """A mask cut along its key (last) dim: every rank needs all key columns of its query
+    rows. A key-padding mask (B, 1, 1, S) is gathered (B x S bools: each rank receives the
+    other ranks' columns); a mask with query rows, learned, moves its cut to the query's
+    rows (each rank receives its rows' columns from the others). Output, q/k/v and mask
+    gradients as on one device; nothing else moves."""
+    sizes = [5, 0, 4]
+
+    def body():
+        mesh = this_rank().mesh
+        me = mesh.get_coordinate()[0]
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 2, 9, 3, dtype=f64, generator=gen) for _ in range(3))
+        pad = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+        pad[1, ..., 6:] = False
+        bias = torch.randn(2, 1, 9, 9, dtype=f64, generator=gen)
+        out = []
+        for mask in (pad, bias):
+            ref_in = [t.clone().requires_grad_(t.is_floating_point()) for t in (q, k, v, mask)]
+            ref = F.scaled_dot_product_attention(*ref_in[:3], attn_mask=ref_in[3])
+            w = torch.randn(ref.shape, dtype=f64, generator=gen)
+            (ref * w).sum().backward()
+            xs = [t.clone().requires_grad_(t.is_floating_point()) for t in (q, k, v, mask)]
+            with shardlab.patched():
+                st = [distribute(t, mesh, [Shard(2)], [sizes]) for t in xs[:3]]
+                m = distribute(xs[3], mesh, [Shard(3)], [sizes])
+                with shardlab.trace() as t:
+                    y = F.scaled_dot_product_attention(*st, attn_mask=m)
+                moved = t.filter(label="auto-redistribute for attn_mask")
+                got = y.full_tensor()
+            (got * w).sum().backward()
+            ok = torch.allclose(got, ref, atol=1e-12)
+            for a, b in zip(xs, ref_in):
+                if b.grad is not None:
+                    ok &= torch.allclose(a.grad, b.grad, atol=1e-12)
+            out.append((bool(ok), moved.bytes(kind="recv"), me))
+        return out
+
+    got = ranks_for(3).run(body)
+    for (ok_pad, recv_pad, me), (ok_bias, recv_bias, _) in got:
+        assert ok_pad and ok_bias
+        others = 9 - sizes[me]
+        assert recv_pad == 2 * others  # the other columns of the (2, 1, 1, 9) bool mask
+        assert recv_bias == 2 * sizes[me] * others * 8  # my rows' other columns (float64)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_multihead_attention(ranks_for, batch_first):
     """nn.MultiheadAttention, unchanged, on a sequence-sharded input with uneven sizes:
@@ -561,6 +604,8 @@ def test_multihead_attention(ranks_for, batch_first):
             (True, False, True),
             (False, True, False),
             (True, True, False),
+            (False, False, "cut"),  # the key padding mask cut like the sequence
+            (True, False, "cut"),
         ]:
             torch.manual_seed(0)
             mha = nn.MultiheadAttention(8, 2, batch_first=batch_first).double()
@@ -587,6 +632,8 @@ def test_multihead_attention(ranks_for, batch_first):
             xs = x.clone().requires_grad_()
             with shardlab.patched():
                 st = distribute(xs, mesh, [Shard(seq)], [[3, 0, 4]])
+                if padding == "cut":
+                    kpm = distribute(kpm, mesh, [Shard(1)], [[3, 0, 4]])
                 y, y_w = mha(
                     st,
                     st,
@@ -609,4 +656,4 @@ def test_multihead_attention(ranks_for, batch_first):
             results.append(bool(ok))
         return results
 
-    assert ranks_for(3).run(body) == [[True] * 4] * 3
+    assert ranks_for(3).run(body) == [[True] * 6] * 3
