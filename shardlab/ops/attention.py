@@ -9,7 +9,8 @@ q, k, v of shape (B, H, S, D) sharded along the sequence (dim -2), any sizes::
 
     1. read the layouts: which mesh dim shards the sequence of k/v (the ring),
        the exact sizes of every rank's block, the global positions of my rows
-    2. cut the mask (plain full tensor, or sharded like the query rows) to my rows
+    2. cut the mask (plain full tensor, or sharded like the query rows) to my rows; a
+       mask cut along its keys (a key-padding mask) is gathered first (B x S values)
     3. RingAttention: N-1 K/V hops forward; K/V hops + dK/dV hops backward
     4. out (B, H, S_q, D_v) sharded exactly like q
 
