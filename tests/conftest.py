@@ -49,7 +49,8 @@ def docs_site() -> pathlib.Path:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "more_worlds: a sweep's extra world sizes (CI runs them on torch 2.13, the README's "
-        "command, and skips them on 2.11 and 2.15 with -m 'not more_worlds' to stay "
-        "under 30 minutes; every sweep still runs on each version at its other sizes)",
+        "more_worlds: a sweep's extra world sizes and mesh shapes (CI runs them on torch "
+        "2.13, the README's command, and skips them on 2.11 and 2.15 with -m 'not "
+        "more_worlds' to stay under 30 minutes; every sweep still runs on each version at "
+        "its other sizes: the op database on 3 ranks, dims 0 and -1)",
     )

@@ -163,7 +163,7 @@ def _sweep_body(seed: int, mixed: bool, mesh_shape=None):
     "world, mesh_shape, mixed",
     [
         (1, None, False),
-        (2, None, False),
+        pytest.param(2, None, False, marks=pytest.mark.more_worlds),
         (3, None, True),
         pytest.param(4, None, False, marks=pytest.mark.more_worlds),
         (4, (2, 2), False),
@@ -271,7 +271,10 @@ def _optim_body(names, mode: str, clip: bool, mesh_shape=None):
 
 @pytest.mark.parametrize("clip", [pytest.param(False, marks=pytest.mark.more_worlds), True])
 @pytest.mark.parametrize("mode", ["foreach", "fused"])
-@pytest.mark.parametrize("world, mesh_shape", [(1, None), (2, None), (3, None), (4, (2, 2))])
+@pytest.mark.parametrize(
+    "world, mesh_shape",
+    [(1, None), (2, None), pytest.param(3, None, marks=pytest.mark.more_worlds), (4, (2, 2))],
+)
 def test_optimizers_on_cut_parameters_equal_one_device(ranks_for, world, mesh_shape, mode, clip):
     """Three steps of every optimizer (``foreach=True``; ``fused=True`` where torch has
     it), optionally after ``clip_grad_norm_(foreach=True)``, on a model whose parameters

@@ -4,7 +4,8 @@ Each op of ``op_db`` with a float64 sample whose input can be cut along the swep
 (dim 0, then the last dim) runs on a ShardTensor with uneven sizes (zeros included) on 3
 and 4 ranks, and on one rank (twice: the second run replays the kept decisions); sample
 arguments of the input's shape are cut too, with other sizes (so the alignment moves
-run). The result, gathered, must equal the same call on one device (float64, 1e-7), and
+run); and on a 2x2 mesh, the dim cut by both mesh dims or two dims cut. The result,
+gathered, must equal the same call on one device (float64, 1e-7), and
 so must the gradient of the input (of a fixed random weighting of the outputs) for ops
 that support autograd; or every rank must raise. A hang would time the pool out (10 s)
 and fail the test. Skipped, with the reason in ``SKIPPED``: ops whose results are random
@@ -20,7 +21,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from tests.tensor._cases import random_sizes
+from tests.tensor._cases import random_sizes, sizes_for
 
 pytest.importorskip("expecttest")
 
@@ -105,21 +106,33 @@ def _unpack(cases) -> list:
     ]
 
 
-def _body(packed, dim: int, seed: int):
+def _body(packed, dim: int, seed: int, two_d: str | None = None):
+    """``two_d``: on a 2x2 mesh, the swept dim cut by both mesh dims (``"nested"``) or
+    by the first, the next dim by the second (``"two dims"``)."""
+
     def body():
         from torch.testing._internal.common_methods_invocations import op_db
 
         from shardlab import ShardTensor, distribute, this_rank
 
         cases = _unpack(packed)  # sampled once, in the test process
-        mesh = this_rank().mesh
+        if two_d is None:
+            mesh = this_rank().mesh
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 2))
         n = mesh.size()
         rng = random.Random(seed)
         results = {}
 
         def cut(t):
             d = dim % t.ndim
-            return distribute(t, mesh, [Shard(d)], random_sizes(rng, t.shape[d], n))
+            if two_d is None:
+                return distribute(t, mesh, [Shard(d)], random_sizes(rng, t.shape[d], n))
+            other = d if two_d == "nested" or t.ndim < 2 else (d + 1) % t.ndim
+            places = [Shard(d), Shard(other)]
+            return distribute(t, mesh, places, sizes_for(rng, t.shape, (2, 2), places))
 
         def full(x):
             if isinstance(x, ShardTensor):
@@ -203,7 +216,14 @@ def _weighted(out, ws, full=lambda t: t):
     return total if isinstance(total, torch.Tensor) else torch.zeros((), requires_grad=True)
 
 
-@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.more_worlds)])
+@pytest.mark.parametrize(
+    "world",
+    [
+        pytest.param(1, marks=pytest.mark.more_worlds),
+        3,
+        pytest.param(4, marks=pytest.mark.more_worlds),
+    ],
+)
 @pytest.mark.parametrize("dim", [0, -1])
 def test_op_db_equals_torch_or_raises_on_every_rank(ranks_for, world, dim):
     """On one rank (every block whole: decisions kept as torch's call on the blocks) each
@@ -226,3 +246,25 @@ def test_op_db_equals_torch_or_raises_on_every_rank(ranks_for, world, dim):
     assert not wrong, wrong
     equal = sum(v == "equal" for v in results.values())
     assert equal >= 0.85 * len(results), (equal, len(results))
+
+
+@pytest.mark.more_worlds
+@pytest.mark.parametrize(("dim", "two_d"), [(0, "two dims"), (-1, "nested")])
+def test_op_db_on_a_2d_mesh(ranks_for, dim, two_d):
+    """A 2x2 mesh: the swept dim and the next one cut (dim 0), or the last dim cut by both
+    mesh dims (nested sizes): equal to torch or raising on every rank, as on a 1-D mesh.
+    Each takes every other op of its dim's cases (the two together: about every op once)."""
+    cases = _cases(dim)[two_d == "nested" :: 2]  # every other op each (CI's time): all ops
+    pool = ranks_for(4)
+    results: dict = {}
+    for start in range(0, len(cases), CHUNK):
+        chunk = _pack(cases[start : start + CHUNK])
+        per_rank = pool.run(_body(chunk, dim, seed=start + 7, two_d=two_d))
+        for name in per_rank[0]:
+            verdicts = {r[name] for r in per_rank}
+            assert len(verdicts) == 1, (name, verdicts)  # no split errors
+        results.update(per_rank[0])
+    wrong = {k: v for k, v in results.items() if v.startswith("WRONG")}
+    assert not wrong, wrong
+    equal = sum(v == "equal" for v in results.values())
+    assert equal >= 0.95 * len(results), (equal, len(results))
