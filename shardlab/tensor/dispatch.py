@@ -32,6 +32,7 @@ from shardlab.tensor.aten import HANDLERS, register
 from shardlab.tensor.aten import _common as c
 from shardlab.tensor.aten.fallback import replicate_and_run
 from shardlab.tensor.aten.foreach_aligned import aligned
+from shardlab.tensor.aten.inplace_views import OUT_OF_PLACE, inplace_view
 from shardlab.tensor.aten.pointwise import is_pointwise, pointwise, replay
 from shardlab.tensor.aten.whole import on_blocks, whole_arguments
 
@@ -97,6 +98,10 @@ def dispatch(func, args, kwargs):
 
 def _decide(key, func, args, kwargs):
     """The full path: adopt, torch's meta check, the rule, global strides, keep it."""
+    if func in OUT_OF_PLACE:  # x.transpose_(0, 1): the view's rule, then the wrapper
+        out = inplace_view(func, args, kwargs, dispatch)
+        if out is not NotImplemented:
+            return out
     args, kwargs = c.adopt((args, kwargs))
     meta = _copy_meta(func, args, kwargs) if func in _NO_META else c.meta_call(func, args, kwargs)
     ran = []

@@ -1,0 +1,48 @@
+"""In-place views of a ShardTensor: ``x.transpose_(0, 1)``, ``t_``, ``squeeze_``, ``unsqueeze_``.
+
+torch changes the tensor's own sizes and strides (no data moves); its RNN kernels do it
+to their output with ``batch_first=True`` (``nn.GRU`` and ``nn.RNN``). On a ShardTensor:
+
+1. the out-of-place view (``transpose`` ...) through the view rules: the new layout and
+   this rank's block, a view of the old one (no message, as for any view);
+2. the wrapper's own sizes and strides changed by torch's in-place op, with the Python
+   dispatch key excluded (metadata only: a wrapper holds no data);
+3. the wrapper takes the view's block, spec and layout, and is returned (it *is* the
+   result, as torch's in-place ops return their input).
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+# the in-place view op -> its out-of-place view
+OUT_OF_PLACE = {
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+}
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
+
+
+def inplace_view(func, args, kwargs, dispatch):
+    """``func(*args, **kwargs)`` (an op of :data:`OUT_OF_PLACE`) on the ShardTensor
+    ``args[0]``; ``dispatch``: shardlab's aten dispatch (the view's rule)."""
+    from shardlab.tensor.api import ShardTensor
+
+    x = args[0]
+    if type(x) is not ShardTensor or any(isinstance(a, torch.Tensor) for a in args[1:]):
+        return NotImplemented
+    view = dispatch(OUT_OF_PLACE[func], args, kwargs)  # 1. layout and block (torch's checks)
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):  # 2. the wrapper's metadata
+        func(x, *args[1:], **kwargs)
+    if tuple(x.shape) != tuple(view.shape):  # never: the same op, twice
+        raise RuntimeError(f"shardlab internal error: {func} gave {tuple(x.shape)}")
+    x._local_tensor, x._spec, x._layout = view._local_tensor, view._spec, view._layout  # 3.
+    return x

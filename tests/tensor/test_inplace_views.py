@@ -1,0 +1,108 @@
+"""In-place views (``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_``) of ShardTensors, and
+the torch RNNs that use one on their output (``batch_first=True``), against one device."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+from shardlab import ShardTensor, distribute, this_rank
+
+f64 = torch.float64
+
+CALLS = [
+    ("transpose_", lambda t: t.transpose_(0, 2)),
+    ("transpose_ neg", lambda t: t.transpose_(-1, 1)),
+    ("swapdims_", lambda t: t.swapdims_(0, 1)),
+    ("unsqueeze_", lambda t: t.unsqueeze_(1)),
+    ("unsqueeze_ end", lambda t: t.unsqueeze_(-1)),
+    ("squeeze_ dim", lambda t: t.squeeze_(3)),
+    ("squeeze_", lambda t: t.squeeze_()),
+    ("squeeze_ dims", lambda t: t.squeeze_((0, 3))),
+]
+
+
+def _calls(mesh_shape, sizes):
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        placements = [Shard(1)] if len(mesh_shape) == 1 else [Shard(1), Shard(2)]
+        g = torch.randn(2, 7, 4, 1, dtype=f64, generator=torch.Generator().manual_seed(0))
+        w = None
+        out = {}
+        for name, call in CALLS:
+            xr = g.clone().requires_grad_()
+            ref_in = xr * 1  # a non-leaf: in place is allowed
+            ref = call(ref_in)
+            w = torch.randn(ref.shape, dtype=f64, generator=torch.Generator().manual_seed(1))
+            (ref * w).sum().backward()
+            x = g.clone().requires_grad_()
+            st = distribute(x, mesh, placements, sizes) * 1
+            got = call(st)
+            full = got.full_tensor()
+            (full * w).sum().backward()
+            out[name] = (
+                got is st,
+                isinstance(got, ShardTensor),
+                tuple(got.shape) == tuple(ref.shape) and got.stride() == ref.stride(),
+                torch.equal(full, ref),
+                torch.allclose(x.grad, xr.grad, atol=1e-12),
+                tuple(got.to_local().shape) == got.sharding.local_shape(mesh.get_coordinate()),
+            )
+        return out
+
+    return body
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "sizes"),
+    [((2,), [[5, 2]]), ((3,), [[4, 0, 3]]), ((2, 2), [[3, 4], [1, 3]])],
+)
+def test_inplace_views_equal_torch(ranks_for, mesh_shape, sizes):
+    """Each op returns its input, laid out anew: torch's shape and strides, values, the
+    input's gradient, and a block of the layout's local shape on every rank."""
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    for rank in ranks_for(world).run(_calls(mesh_shape, sizes)):
+        for name, checks in rank.items():
+            assert all(checks), (name, checks)
+
+
+@pytest.mark.parametrize("cls", [nn.GRU, nn.RNN, nn.LSTM])
+def test_rnns_batch_first_cut_along_batch_or_time(ranks_for, cls):
+    """torch's RNN kernels transpose their output in place with ``batch_first=True`` (GRU
+    and RNN raised before): output, input and parameter gradients as on one device."""
+
+    def body():
+        mesh = this_rank().mesh
+        results = []
+        for batch_first in (True, False):
+            for cut in ("batch", "time"):
+                torch.manual_seed(0)
+                rnn = cls(6, 5, num_layers=2, batch_first=batch_first, bidirectional=True)
+                rnn = rnn.double()
+                x = torch.randn(3, 7, 6, dtype=f64)  # (B, T, F)
+                x = x if batch_first else x.transpose(0, 1).contiguous()
+                dim = (0 if batch_first else 1) if cut == "batch" else (1 if batch_first else 0)
+                xr = x.clone().requires_grad_()
+                ref = rnn(xr)[0]
+                w = torch.randn(ref.shape, dtype=f64)
+                (ref * w).sum().backward()
+                grads = [p.grad.clone() for p in rnn.parameters()]
+                rnn.zero_grad(set_to_none=True)
+                xs = x.clone().requires_grad_()
+                sizes = [2, 0, 1] if x.shape[dim] == 3 else [4, 0, 3]
+                y = rnn(distribute(xs, mesh, [Shard(dim)], [sizes]))[0]
+                out = y.full_tensor()
+                (out * w).sum().backward()
+                ok = torch.allclose(out, ref, atol=1e-12)
+                ok &= torch.allclose(xs.grad, xr.grad, atol=1e-12)
+                ok &= all(
+                    torch.allclose(p.grad, g, atol=1e-12) for p, g in zip(rnn.parameters(), grads)
+                )
+                results.append(bool(ok))
+        return results
+
+    assert ranks_for(3).run(body) == [[True] * 4] * 3
