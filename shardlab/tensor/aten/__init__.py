@@ -3,6 +3,7 @@ in :mod:`.registry`); :mod:`shardlab.tensor.dispatch` routes every op through th
 
 from . import (  # noqa: F401  (each module registers its rules)
     attention,
+    batched,
     dim_ops,
     foreach,
     matmul,
