@@ -37,16 +37,17 @@ def check_input(name: str, input):
     return cut_once(name, input)
 
 
-def cut_once(name: str, input):
+def cut_once(name: str, input, dims=None):
     """``input`` with every dim cut by two mesh dims (flattened image tokens on a 2-D
     mesh) cut by the first of them only, gathered along the other (labelled
-    ``auto-redistribute for <name>``): windows and statistics read one mesh dim's pieces."""
+    ``auto-redistribute for <name>``): windows and statistics read one mesh dim's pieces.
+    ``dims``: only these dims (the others keep both cuts)."""
     from shardlab.layout import moves
     from shardlab.tensor.api import _Redistribute
 
     seen, again = set(), []  # tensor dims seen cut; mesh dims cutting one again
     for m, p in enumerate(input.sharding.placements):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and (dims is None or p.dim in dims):
             if p.dim in seen:
                 again.append(m)
             seen.add(p.dim)

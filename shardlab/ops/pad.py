@@ -43,15 +43,14 @@ def pad(input, pad, mode="constant", value=None):
             f"pad: mode {mode!r} is not supported on a ShardTensor; supported: {list(_MODES)}"
         )
     # (Partial values arrive reduced: registry.call prepares the arguments)
-    input = cut_once("pad", input)  # a dim cut by two mesh dims: by the first one only
+    padded = {input.ndim - 1 - j for j in range(len(pad) // 2) if pad[2 * j] or pad[2 * j + 1]}
+    input = cut_once("pad", input, padded)  # a padded dim cut twice: by the first mesh dim
     if any(p < 0 for p in pad):
         return _cropped(input, pad, mode, value, expected)
     mesh, layout = input.device_mesh, input.sharding
     x = input.to_local()
     local_pad = [0] * len(pad)
-    sizes = [
-        list(layout.sizes_along(p.dim)) if isinstance(p, Shard) else None for p in layout.placements
-    ]
+    sizes = [_entries(layout, m) for m in range(len(layout.placements))]  # (build's form)
     shape = list(input.shape)
     for j in range(len(pad) // 2):
         dim = input.ndim - 1 - j
@@ -75,7 +74,7 @@ def pad(input, pad, mode="constant", value=None):
         )
         peers, me = peers_along(mesh, m)
         offset = layout.local_offset(tuple(mesh.get_coordinate()))[dim]
-        fill = 0.0 if value is None else float(value)
+        fill = 0.0 if value is None else float(value)  # (torch takes a float too)
         x = Halo.apply(x, plan, dim, peers, me, offset, fill, "pad.halo")
         sizes[m] = list(plan.out_sizes)
     if any(local_pad) and x.numel() == 0 and mode != "constant":
@@ -121,6 +120,14 @@ def _narrowed(x, pads):
                 )
             x = x.narrow(dim, start, stop - start)
     return x
+
+
+def _entries(layout, m):
+    """Mesh dim ``m``'s sizes as :meth:`ShardLayout.build` takes them (nested: a list each)."""
+    entry = layout.sizes[m]
+    if entry is None:
+        return None
+    return list(entry[0]) if len(entry) == 1 else [list(e) for e in entry]
 
 
 def _check(input, pad, mode, value) -> torch.Size:

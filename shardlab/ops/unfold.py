@@ -54,12 +54,12 @@ def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
     meta = F.unfold(
         torch.empty(input.shape, device="meta"), kernel_size, dilation, padding, stride
     )  # torch's own checks and shapes, alike on every rank
-    input = cut_once("unfold", input)  # a dim cut by two mesh dims: by the first one only
     lead = input.ndim - 2
+    input = cut_once("unfold", input, (lead, lead + 1))  # a spatial dim cut twice: by one
     k, d = _tuple("kernel_size", kernel_size, 2), _tuple("dilation", dilation, 2)
     p, s = _tuple("padding", padding, 2), _tuple("stride", stride, 2)
     layout, mesh = input.sharding, input.device_mesh
-    cut = _cut_dims(layout, range(input.ndim))
+    cut = _cut_dims(layout, (lead, lead + 1))  # (batch and channels: cut as they are)
     x, local_pad, out_hw, sizes = input.to_local(), list(p), [], {}
     for i in range(2):
         dim = lead + i
@@ -111,7 +111,7 @@ def tensor_unfold(x, dimension: int, size: int, step: int):
     meta = torch.empty(x.shape, device="meta").unfold(dimension, size, step)  # torch's checks
     dim = dimension % max(x.ndim, 1)
     if sum(isinstance(p, Shard) and p.dim == dim for p in x.sharding.placements) > 1:
-        x = cut_once("unfold", x)  # cut by two mesh dims: by the first one only
+        x = cut_once("unfold", x, (dim,))  # cut by two mesh dims: by the first one only
     layout = x.sharding
     cut = _cut_dims(layout, [dim])
     if not cut or not layout.is_block(dim):

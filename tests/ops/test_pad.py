@@ -18,11 +18,11 @@ def _random_call(rng):
     """``(shape, pad, kw)``: 1-3 padded dims; each side -3..3 (negative: a crop)."""
     n = rng.choice([1, 2, 2, 3])
     mode = rng.choice(MODES)
-    shape = [rng.randint(1, 2), 2, *[rng.randint(1, 9) for _ in range(n)]]
+    shape = [rng.randint(1, 3), rng.randint(1, 4), *[rng.randint(1, 9) for _ in range(n)]]
     pad = [rng.randint(-3, 3) for _ in range(2 * rng.randint(1, n))]
     kw = {"mode": mode}
     if mode == "constant" and rng.random() < 0.5:
-        kw["value"] = 1.5
+        kw["value"] = rng.choice([1.5, -2.0, 0.0, 3])
     return shape, pad, kw
 
 
@@ -58,7 +58,9 @@ def _sweep(mesh_shape, cases, seed):
             w_out = torch.randn(ref.shape, dtype=torch.float64)
             (ref * w_out).sum().backward()
             padded = list(range(len(shape) - len(pad) // 2, len(shape)))
-            dims = rng.sample(padded, min(len(mesh_shape), len(padded)))
+            # mostly padded dims; at times the batch or channels (cut as they are: no message)
+            pool = padded if rng.random() < 0.75 else list(range(len(shape)))
+            dims = rng.sample(pool, min(len(mesh_shape), len(pool)))
             if len(mesh_shape) == 2 and rng.random() < 0.3:  # one dim cut by both mesh dims
                 dims = [dims[0], dims[0]]
             placements = [Shard(d) for d in dims] + [Replicate()] * (len(mesh_shape) - len(dims))
@@ -77,6 +79,11 @@ def _sweep(mesh_shape, cases, seed):
             ref_grad = xr.grad if ref.numel() else torch.zeros_like(g)
             assert torch.allclose(x.grad, ref_grad, atol=1e-12), cfg
             assert set(t.counts()) <= {"send", "recv"}, (cfg, t.counts())
+            gathered = len(dims) == 2 and dims[0] == dims[1] and dims[0] in padded
+            if not gathered:  # only the rows a pad copies travel (none for a constant pad)
+                assert all(e.label.startswith("pad.halo") for e in t.events), cfg
+                if kw["mode"] == "constant":
+                    assert len(t.events) == 0, (cfg, t.counts())
             crops += any(p < 0 for p in pad)
             done += 1
         return done, crops
@@ -151,3 +158,23 @@ def test_errors_on_every_rank(ranks_for):
         # torch returns uninitialised memory for a circular pad of 3 rows wrapping the 2
         # rows left after the crop; shardlab raises torch's error for that pad
         assert rank[-1][1] is None and rank[-1][0][0] == "RuntimeError"
+
+
+def test_integer_tensors_and_fills_beyond_float_precision(ranks_for):
+    """An int64 tensor padded with a fill a float cannot hold (2**60 + 1: torch reads the
+    fill as a float, so 2**60), replicate and crops on a cut dim: torch's values, dtype."""
+
+    def body():
+        mesh = this_rank().mesh
+        g = torch.arange(2 * 9 * 3, dtype=torch.int64).view(2, 9, 3) * 3
+        st = distribute(g, mesh, [Shard(1)], [[4, 0, 5]])
+        out = []
+        with shardlab.patched():
+            for pad, kw in [((0, 0, 2, 3), {"value": 2**60 + 1}), ((0, 0, -3, 2), {}),
+                            ((1, 1, 3, -2), {"mode": "replicate"})]:  # fmt: skip
+                y = F.pad(st, pad, **kw).full_tensor()
+                want = F.pad(g, pad, **kw)
+                out.append(y.dtype == want.dtype and torch.equal(y, want))
+        return out
+
+    assert ranks_for(3).run(body) == [[True] * 3] * 3

@@ -106,3 +106,30 @@ def test_rnns_batch_first_cut_along_batch_or_time(ranks_for, cls):
         return results
 
     assert ranks_for(3).run(body) == [[True] * 4] * 3
+
+
+def test_t_and_an_inplace_view_of_a_view(ranks_for):
+    """``t_`` of a 2-D ShardTensor, and ``transpose_`` of a slice (an autograd view of a
+    non-leaf): values and the gradient as on one device."""
+
+    def body():
+        mesh = this_rank().mesh
+        g = torch.randn(7, 4, dtype=f64, generator=torch.Generator().manual_seed(0))
+        out = []
+        for call in (lambda t: (t * 1).t_(), lambda t: (t * 1)[:, 1:3].transpose_(0, 1)):
+            xr = g.clone().requires_grad_()
+            ref = call(xr)
+            w = torch.randn(ref.shape, dtype=f64, generator=torch.Generator().manual_seed(1))
+            (ref * w).sum().backward()
+            x = g.clone().requires_grad_()
+            got = call(distribute(x, mesh, [Shard(0)], [[4, 0, 3]]))
+            full = got.full_tensor()
+            (full * w).sum().backward()
+            out.append(
+                torch.equal(full, ref)
+                and got.stride() == ref.stride()
+                and torch.equal(x.grad, xr.grad)
+            )
+        return out
+
+    assert ranks_for(3).run(body) == [[True, True]] * 3

@@ -217,14 +217,11 @@ def _weighted(out, ws, full=lambda t: t):
 
 
 @pytest.mark.parametrize(
-    "world",
-    [
-        pytest.param(1, marks=pytest.mark.more_worlds),
-        3,
-        pytest.param(4, marks=pytest.mark.more_worlds),
-    ],
-)
-@pytest.mark.parametrize("dim", [0, -1])
+    ("world", "dim"),
+    [(1, 0), pytest.param(1, -1, marks=pytest.mark.more_worlds), (3, 0), (3, -1),
+     pytest.param(4, 0, marks=pytest.mark.more_worlds),
+     pytest.param(4, -1, marks=pytest.mark.more_worlds)],
+)  # fmt: skip
 def test_op_db_equals_torch_or_raises_on_every_rank(ranks_for, world, dim):
     """On one rank (every block whole: decisions kept as torch's call on the blocks) each
     chunk runs twice, the second time on the kept decisions, with the same verdicts."""

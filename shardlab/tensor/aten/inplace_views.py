@@ -45,4 +45,12 @@ def inplace_view(func, args, kwargs, dispatch):
     if tuple(x.shape) != tuple(view.shape):  # never: the same op, twice
         raise RuntimeError(f"shardlab internal error: {func} gave {tuple(x.shape)}")
     x._local_tensor, x._spec, x._layout = view._local_tensor, view._spec, view._layout  # 3.
+    for note in _NOTES:  # what x's old block carried (a copied view's write-back) goes,
+        x.__dict__.pop(note, None)
+    for note in ("_writeback", "_whole_to_local"):  # the view's comes (as for p.data = new)
+        if note in view.__dict__:
+            setattr(x, note, view.__dict__[note])
     return x
+
+
+_NOTES = ("_decided", "_writeback", "_whole_to_local")
