@@ -4,6 +4,7 @@ in :mod:`.registry`); :mod:`shardlab.tensor.dispatch` routes every op through th
 from . import (  # noqa: F401  (each module registers its rules)
     attention,
     batched,
+    diagonal,
     dim_ops,
     foreach,
     matmul,
