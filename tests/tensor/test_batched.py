@@ -68,16 +68,19 @@ def _body(mesh_shape, batch, placements, sizes, plain_b):
 
 
 @pytest.mark.parametrize(
-    ("mesh_shape", "batch", "placements", "sizes", "plain_b"),
+    ("mesh_shape", "batch", "placements", "sizes", "plain_b", "local"),
     [
-        ((2,), (5,), [Shard(0)], [[3, 2]], False),
-        ((3,), (2, 5), [Shard(1)], [[4, 0, 1]], False),
-        ((3,), (5,), [Shard(0)], [[2, 2, 1]], True),
-        ((2, 2), (3, 4), [Shard(0), Shard(1)], [[2, 1], [1, 3]], False),
+        ((2,), (5,), [Shard(0)], [[3, 2]], False, True),
+        ((3,), (2, 5), [Shard(1)], [[2, 2, 1]], False, True),
+        ((3,), (5,), [Shard(0)], [[2, 2, 1]], True, True),
+        ((2, 2), (3, 4), [Shard(0), Shard(1)], [[2, 1], [1, 3]], False, True),
+        # an empty piece: the whole-tensor fallback (a kernel that refuses a dtype or a
+        # mode only where there is data would raise on some ranks only)
+        ((3,), (5,), [Shard(0)], [[4, 0, 1]], False, False),
     ],
 )
 def test_batched_linalg_solves_each_rank_its_own(
-    ranks_for, mesh_shape, batch, placements, sizes, plain_b
+    ranks_for, mesh_shape, batch, placements, sizes, plain_b, local
 ):
     """Values and the gradients of A, S and B as one device; forward sends nothing but
     torch's error check (``info`` gathered, so a singular matrix raises on every rank);
@@ -87,8 +90,34 @@ def test_batched_linalg_solves_each_rank_its_own(
         world *= n
     for rank in ranks_for(world).run(_body(mesh_shape, batch, placements, sizes, plain_b)):
         for name, (ok, quiet, places) in rank.items():
-            assert ok and quiet, (name, ok, quiet)
-            assert list(places) == list(placements), (name, places)
+            assert ok and (quiet or not local), (name, ok, quiet)
+            if local:
+                assert list(places) == list(placements), (name, places)
+
+
+def test_what_kernels_refuse_where_there_is_data_raises_on_every_rank(ranks_for):
+    """Half precision and LU without pivoting: torch's CPU kernels accept an empty batch
+    and refuse a full one. With a rank holding no matrix, every rank still raises."""
+
+    def body():
+        mesh = this_rank().mesh
+        a = torch.eye(3, dtype=f64).repeat(3, 1, 1)
+        errors = []
+        for call in (
+            lambda t: torch.linalg.det(t.half()),
+            lambda t: torch.linalg.lu_factor(t, pivot=False),
+        ):
+            for sizes in ([[2, 0, 1]], [[1, 1, 1]]):
+                try:
+                    call(distribute(a, mesh, [Shard(0)], sizes))
+                    errors.append(None)
+                except (RuntimeError, NotImplementedError) as exc:  # torch's own, each
+                    errors.append(type(exc).__name__)
+        return errors
+
+    want = ["NotImplementedError"] * 2 + ["RuntimeError"] * 2
+    for errors in ranks_for(3).run(body):
+        assert errors == want, errors
 
 
 def test_a_singular_matrix_raises_on_every_rank(ranks_for):

@@ -133,3 +133,39 @@ def test_t_and_an_inplace_view_of_a_view(ranks_for):
         return out
 
     assert ranks_for(3).run(body) == [[True, True]] * 3
+
+
+def test_inplace_views_of_copied_views_write_back_or_refuse(ranks_for):
+    """A view that had to be a copy (``B.view(4, 7)`` of ``B`` cut [4, 3] along its rows)
+    transposed in place, then zeroed: ``B`` is zeroed, as on one device. ``squeeze_`` of a
+    size-1 dim cut over the ranks (a copy, which an in-place view cannot be): torch's
+    out-of-place call is named, on every rank."""
+
+    def body():
+        mesh = this_rank().mesh
+        b = distribute(torch.arange(28.0).view(7, 4), mesh, [Shard(0)], [[4, 3, 0]]) * 1
+        x = b.view(4, 7)
+        x.t_()
+        x.zero_()
+        zeroed = bool((b.full_tensor() == 0).all())
+        # the base relayouted in place after a copied view of it was made: the view's
+        # writes still reach the base's memory, in torch's order
+        g = torch.arange(28.0).view(7, 4)
+        ref = g.clone()
+        ref_v = ref.view(4, 7)
+        ref.t_()
+        ref_v.add_(torch.arange(28.0).view(4, 7))
+        base = distribute(g, mesh, [Shard(0)], [[4, 3, 0]]) * 1
+        v = base.view(4, 7)
+        base.t_()
+        v.add_(torch.arange(28.0).view(4, 7))
+        zeroed = zeroed and torch.equal(base.full_tensor(), ref)
+        one = distribute(torch.randn(1, 4), mesh, [Shard(0)]) * 1
+        try:
+            one.squeeze_(0)
+            refused = None
+        except NotImplementedError as exc:
+            refused = "squeeze(" in str(exc)
+        return zeroed, refused
+
+    assert ranks_for(3).run(body) == [(True, True)] * 3

@@ -480,21 +480,26 @@ def written(x) -> None:
 
 
 def moved_view(y, base, moved):
-    """``y`` views ``moved``, ``base`` moved to another layout (a copy)."""
+    """``y`` views ``moved``, ``base`` moved to another layout (a copy). The base's block
+    and layout are read now: an in-place view of the base later (``base.t_()``) relayouts
+    the base, not the memory this copy goes back to."""
+    block, layout = base._local_tensor, base._layout
 
     def writeback():
-        back = move(moved, base._layout, "write back")
-        base._local_tensor.copy_(back._local_tensor)
+        back = move(moved, layout, "write back")
+        block.copy_(back._local_tensor)
         written(base)
 
     return with_writeback(y, writeback)
 
 
 def copied_local(y, base):
-    """``y``'s block is a reshaped copy of ``base``'s block."""
+    """``y``'s block is a reshaped copy of ``base``'s block (both blocks read now, as
+    :func:`moved_view` reads them)."""
+    block, copy = base._local_tensor, y._local_tensor
 
     def writeback():
-        base._local_tensor.copy_(y._local_tensor.reshape(base._local_tensor.shape))
+        block.copy_(copy.reshape(block.shape))
         written(base)
 
     return with_writeback(y, writeback)

@@ -35,6 +35,8 @@ aten = torch.ops.aten
 
 
 def _solve_cores(args):
+    if len(args) < 2:
+        return ()  # (A or B by name: the fallback)
     a, b = args[0], args[1]  # B is a batch of vectors as torch reads it (linalg.solve)
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and tuple(b.shape) == tuple(a.shape[:-1]))
     return (2, 1 if vector else 2)
@@ -61,11 +63,13 @@ CORES = {
 
 @register(*CORES)
 def batched(func, args, kwargs):
-    if _checks_errors(func, args, kwargs):
+    if _checks_errors(func, args, kwargs) or _refused(func, args, kwargs):
         return NotImplemented  # the kernel raises on the values: the fallback, every rank
     st = c.shard_tensor_cls()
     values = (*args, *kwargs.values())
-    tensors = [a for a in values if isinstance(a, torch.Tensor)]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return NotImplemented  # (tensors by name: their order is not the schema's)
     cores = CORES[func]
     cores = cores(args) if callable(cores) else cores
     if len(tensors) != len(cores) or not any(type(t) is st for t in tensors):
@@ -88,8 +92,12 @@ def batched(func, args, kwargs):
                 if t.shape[p.dim] != batch[p.dim + lead]:
                     return NotImplemented  # (a size-1 dim that broadcasts, cut)
                 cut = (p.dim + lead, lay.sizes[m])
+                if 0 in cut[1][0]:
+                    return NotImplemented  # an empty piece (see _refused): the fallback
                 if cuts.setdefault(m, cut) != cut:
                     return NotImplemented  # cut otherwise than another argument
+                if any(q[0] == cut[0] for n, q in cuts.items() if n != m):
+                    return NotImplemented  # one batch dim cut by two mesh dims
             elif not isinstance(p, Replicate):
                 return NotImplemented  # Partial
     if not cuts:
@@ -123,6 +131,24 @@ def batched(func, args, kwargs):
         return wrapped
     decisions.decided(wrapped[0], func, moves, mesh, layouts[0], _CAUSE)
     return wrapped[0]
+
+
+_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def _refused(func, args, kwargs) -> bool:
+    """Calls the kernels refuse only where there is data (they return early on an empty
+    batch, after the meta check accepted them): a rank with an empty piece would go on
+    while the others raise. Half precision, LU without pivoting; and, for what else may
+    hide there, an empty piece of a cut batch dim declines the rule (in ``batched``)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()):
+            if a.dtype not in _DTYPES:
+                return True
+    for i, spec in enumerate(func._schema.arguments):
+        if spec.name == "pivot":
+            return not (args[i] if i < len(args) else kwargs.get("pivot", True))
+    return False
 
 
 def _checks_errors(func, args, kwargs) -> bool:

@@ -40,17 +40,17 @@ def inplace_view(func, args, kwargs, dispatch):
     if type(x) is not ShardTensor or any(isinstance(a, torch.Tensor) for a in args[1:]):
         return NotImplemented
     view = dispatch(OUT_OF_PLACE[func], args, kwargs)  # 1. layout and block (torch's checks)
+    if "_writeback" in view.__dict__:  # the view is a copy (a layout chosen from the global
+        name = func.__name__.split(".")[0]  # shapes alone: every rank raises here)
+        raise NotImplementedError(
+            f"{name} on this ShardTensor ({x._layout}): its result here is a copy of the "
+            f"data (a size-1 dim held by one rank), which an in-place view cannot be; call "
+            f"{name.rstrip('_')}(...) and use its result"
+        )
     with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):  # 2. the wrapper's metadata
         func(x, *args[1:], **kwargs)
     if tuple(x.shape) != tuple(view.shape):  # never: the same op, twice
         raise RuntimeError(f"shardlab internal error: {func} gave {tuple(x.shape)}")
     x._local_tensor, x._spec, x._layout = view._local_tensor, view._spec, view._layout  # 3.
-    for note in _NOTES:  # what x's old block carried (a copied view's write-back) goes,
-        x.__dict__.pop(note, None)
-    for note in ("_writeback", "_whole_to_local"):  # the view's comes (as for p.data = new)
-        if note in view.__dict__:
-            setattr(x, note, view.__dict__[note])
+    x.__dict__.pop("_decided", None)  # (x's write-back, if a copied view: its memory stays)
     return x
-
-
-_NOTES = ("_decided", "_writeback", "_whole_to_local")
