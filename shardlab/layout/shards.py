@@ -269,6 +269,14 @@ class ShardLayout:
         gshape, places, sizes = infer_sizes(global_shape, mesh_shape, placements, local_shapes)
         return cls.build(gshape, mesh_shape, places, sizes)
 
+    def sizes_arg(self, mesh_dim: int):
+        """Mesh dim ``mesh_dim``'s sizes as :meth:`build` takes them: None, a list, or a
+        list per outer piece (nested)."""
+        entry = self.sizes[mesh_dim]
+        if entry is None:
+            return None
+        return list(entry[0]) if len(entry) == 1 else [list(e) for e in entry]
+
     def with_sizes(self, sizes: Sequence | None) -> ShardLayout:
         """Same tensor, mesh and placements; new sizes (same input forms as :meth:`build`)."""
         return ShardLayout.build(self.global_shape, self.mesh_shape, self.placements, sizes)

@@ -50,7 +50,7 @@ def pad(input, pad, mode="constant", value=None):
     mesh, layout = input.device_mesh, input.sharding
     x = input.to_local()
     local_pad = [0] * len(pad)
-    sizes = [_entries(layout, m) for m in range(len(layout.placements))]  # (build's form)
+    sizes = [layout.sizes_arg(m) for m in range(len(layout.placements))]  # (build's form)
     shape = list(input.shape)
     for j in range(len(pad) // 2):
         dim = input.ndim - 1 - j
@@ -120,14 +120,6 @@ def _narrowed(x, pads):
                 )
             x = x.narrow(dim, start, stop - start)
     return x
-
-
-def _entries(layout, m):
-    """Mesh dim ``m``'s sizes as :meth:`ShardLayout.build` takes them (nested: a list each)."""
-    entry = layout.sizes[m]
-    if entry is None:
-        return None
-    return list(entry[0]) if len(entry) == 1 else [list(e) for e in entry]
 
 
 def _check(input, pad, mode, value) -> torch.Size:

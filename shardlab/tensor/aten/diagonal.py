@@ -30,14 +30,6 @@ def _args(func, args, kwargs, skip: int):
     return given.get("offset", 0), given.get("dim1", 0), given.get("dim2", 1)
 
 
-def _entries(layout, m):
-    """Mesh dim ``m``'s sizes in :meth:`ShardLayout.build`'s form."""
-    entry = layout.sizes[m]
-    if entry is None:
-        return None
-    return list(entry[0]) if len(entry) == 1 else [list(e) for e in entry]
-
-
 def diagonal_layout(layout: ShardLayout, d1: int, d2: int, shape) -> ShardLayout | None:
     """The layout of ``diagonal`` (result ``shape``) of a tensor in ``layout``: its dims
     without ``d1``, ``d2`` keep their cuts; None when ``d1`` or ``d2`` is cut."""
@@ -49,7 +41,7 @@ def diagonal_layout(layout: ShardLayout, d1: int, d2: int, shape) -> ShardLayout
                 return None
             p = Shard(keep.index(p.dim))
         places.append(p)
-    sizes = [_entries(layout, m) for m in range(len(places))]
+    sizes = [layout.sizes_arg(m) for m in range(len(places))]
     return ShardLayout.build(tuple(shape), layout.mesh_shape, places, sizes)
 
 
@@ -102,7 +94,7 @@ def _diagonal_backward(func, args, kwargs):
                 return NotImplemented
             p = Shard(keep[p.dim])
         places.append(p)
-    sizes = [_entries(lay, m) for m in range(len(places))]
+    sizes = [lay.sizes_arg(m) for m in range(len(places))]
     out = ShardLayout.build(tuple(input_sizes), lay.mesh_shape, places, sizes)
     local = _LocalBackward(keep)
     y = c.wrap(local((grad._local_tensor, *args[1:]), kwargs), grad.device_mesh, out)
