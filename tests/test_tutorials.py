@@ -15,8 +15,13 @@ import pytest
 TUTORIALS = sorted(pathlib.Path(__file__).parent.parent.joinpath("tutorials").glob("[0-9]*.ipynb"))
 
 
+# 12 (the training loop) already resumes on another number of ranks as written (4 -> 3):
+# its 3-rank rerun (3 -> 2, the longest of all: 37 s) is left to CI time
+OTHER_WORLDS = [p for p in TUTORIALS if not p.stem.startswith("12_")]
+
+
 @pytest.mark.parametrize("world", [3])
-@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+@pytest.mark.parametrize("path", OTHER_WORLDS, ids=[p.stem for p in OTHER_WORLDS])
 def test_tutorial_runs_with_other_world_sizes(path, world):
     from nbclient import NotebookClient
 
