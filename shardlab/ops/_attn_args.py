@@ -270,14 +270,6 @@ def keys_whole(mask, query, mesh):
             rows_free = False
         else:
             places[m], sizes[m] = Replicate(), None
-    for m, p in enumerate(places):  # an inner nest whose outer was gathered: one piece
-        if (
-            isinstance(p, Shard)
-            and sizes[m] is not None
-            and len(sizes[m]) > 1
-            and not any(isinstance(places[k], Shard) and places[k].dim == p.dim for k in range(m))
-        ):
-            sizes[m] = (tuple(map(sum, zip(*sizes[m]))),)
     dst = lay.replace(placements=tuple(places), sizes=tuple(sizes))
     return _Redistribute.apply(mask, dst, "auto-redistribute for attn_mask")
 

@@ -57,10 +57,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
 
 from shardlab.ops import _ce_args as ce_args
-from shardlab.ops._cnn_common import groups_over
+from shardlab.ops._cnn_common import cut_once, groups_over
 from shardlab.ops.registry import register
 from shardlab.tensor import collectives, comm
 from shardlab.tensor._once import first_order
@@ -125,13 +124,7 @@ def cross_entropy(
         from shardlab.tensor.api import _Redistribute
 
         input = _Redistribute.apply(input, moves.as_block(input.sharding, cd))
-    cutting = [m for m, p in enumerate(input.placements) if isinstance(p, Shard) and p.dim == cd]
-    if len(cutting) > 1:  # the classes cut by two mesh dims: by the first one only
-        from shardlab.layout import moves
-        from shardlab.tensor.api import _Redistribute
-
-        whole = moves.replicated(input.sharding, cutting[1:])
-        input = _Redistribute.apply(input, whole, "auto-redistribute for cross_entropy")
+    input = cut_once("cross_entropy", input, (cd,))  # classes cut twice: by the first mesh dim
     mesh, layout = input.device_mesh, input.sharding
     class_dim, row_dims = ce_args.mesh_roles(layout, cd)
     coord = comm.my_coord(mesh)

@@ -110,8 +110,7 @@ def tensor_unfold(x, dimension: int, size: int, step: int):
 
     meta = torch.empty(x.shape, device="meta").unfold(dimension, size, step)  # torch's checks
     dim = dimension % max(x.ndim, 1)
-    if sum(isinstance(p, Shard) and p.dim == dim for p in x.sharding.placements) > 1:
-        x = cut_once("unfold", x, (dim,))  # cut by two mesh dims: by the first one only
+    x = cut_once("unfold", x, (dim,))  # cut by two mesh dims: by the first one only
     layout = x.sharding
     cut = _cut_dims(layout, [dim])
     if not cut or not layout.is_block(dim):
