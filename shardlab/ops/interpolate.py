@@ -29,11 +29,19 @@ to their owners (the same messages, reversed). No collective.
 Index tables: nearest modes ask torch itself (a probe holding ``arange``: exact, so the
 same rows as one device); linear and cubic replay torch's formulas in its compute dtype
 (float64 for double inputs, else float32), so the weights match torch to rounding.
-``antialias=True`` on a sharded dim raises NotImplementedError (a wider, scale-dependent
-window); ``mode='area'`` is ``adaptive_avg_pool`` (see :mod:`.pool`).
+``mode='area'`` is ``adaptive_avg_pool`` (see :mod:`.pool`).
+
+``antialias=True`` (bilinear, bicubic; downsampling widens each output's window with the
+scale): torch resamples one dim at a time, W then H; so does this, W then H: a whole dim by
+torch's own kernel, a cut dim by the same steps 1-2 with torch's own weights (asked of
+torch once per shape: its kernel run on an identity, row ``l`` of which gives every
+output's weight for input row ``l``). uint8 images (torch rounds each pass in fixed point)
+raise NotImplementedError on a cut dim.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -70,11 +78,6 @@ def interpolate(
         local = list(x.shape[:2]) + list(shape[2:])
         y = empty_like_output(x, local) if x.numel() == 0 else F.interpolate(x, *args)
         return rewrap(y, input, {}, shape)
-    if antialias:
-        raise NotImplementedError(
-            "interpolate: antialias=True on a sharded spatial dim is not supported (its "
-            f"window grows with the scale); sharded dims {sorted(sharded)}"
-        )
     if align_corners is None:
         align_corners = False  # as torch, for the interpolating modes
     if mode == "area":
@@ -84,27 +87,13 @@ def interpolate(
     else:
         sf = scale_factor if isinstance(scale_factor, (list, tuple)) else [scale_factor] * n
         scales = [float(s) for s in sf]
-    x, mesh, new_sizes = input.to_local(), input.device_mesh, {}  # (N, C, *S_local)
+    if antialias:
+        return _antialiased(input, mode, shape, align_corners, scales, sharded)
+    x, new_sizes = input.to_local(), {}  # (N, C, *S_local)
     for dim, m in sorted(sharded.items()):
         i = dim - 2
-        anchor, idx, w = _table(
-            mode, input.shape[dim], shape[dim], align_corners, scales[i], x, dim
-        )
-        in_sizes = layout.sizes_along(dim)
-        own = owners(anchor, in_sizes)
-        out_sizes = [int((own == r).sum()) for r in range(len(in_sizes))]
-        bounds = [sum(out_sizes[:r]) for r in range(len(in_sizes) + 1)]
-        needed = [sorted(set(idx[bounds[r] : bounds[r + 1]].flatten().tolist())) for r in
-                  range(len(in_sizes))]  # fmt: skip
-        plan = RowPlan(in_sizes, needed, out_sizes)
-        peers, me = peers_along(mesh, m)
-        # 1. fetch the rows this rank's outputs read
-        x = Halo.apply(x, plan, dim, peers, me, my_offset(input, dim), 0.0, "interpolate.halo")
-        lo, hi = bounds[me], bounds[me + 1]
-        pos = torch.searchsorted(torch.tensor(needed[me], dtype=torch.long), idx[lo:hi])
-        # 2. resample along dim                                   (N, C, ..., O_local, ...)
-        x = _resample(x, dim, pos, None if w is None else w[lo:hi])
-        new_sizes[m] = out_sizes
+        table = _table(mode, input.shape[dim], shape[dim], align_corners, scales[i], x, dim)
+        x, new_sizes[m] = _along(x, input, dim, m, *table)
     # 3. torch's kernel on the unsharded spatial dims
     local = list(x.shape[:2]) + [x.shape[d] if d in sharded else shape[d] for d in
                                  range(2, input.ndim)]  # fmt: skip
@@ -118,9 +107,32 @@ def interpolate(
     return rewrap(x, input, new_sizes, shape)
 
 
-def _resample(x, dim, pos, w):
+def _along(x, input, dim, m, anchor, idx, w, valid=None):
+    """Steps 1-2 along the cut ``dim`` (mesh dim ``m``) for the table ``anchor`` (O,),
+    ``idx`` (O, T), ``w`` (O, T) or None, ``valid`` (O, T) or None (every tap):
+    the resampled block and the output's sizes along ``dim``."""
+    in_sizes = input.sharding.sizes_along(dim)
+    own = owners(anchor, in_sizes)
+    out_sizes = [int((own == r).sum()) for r in range(len(in_sizes))]
+    bounds = [sum(out_sizes[:r]) for r in range(len(in_sizes) + 1)]
+    needed = [sorted(set(idx[bounds[r] : bounds[r + 1]].flatten().tolist())) for r in
+              range(len(in_sizes))]  # fmt: skip
+    plan = RowPlan(in_sizes, needed, out_sizes)
+    peers, me = peers_along(input.device_mesh, m)
+    # 1. fetch the rows this rank's outputs read
+    x = Halo.apply(x, plan, dim, peers, me, my_offset(input, dim), 0.0, "interpolate.halo")
+    lo, hi = bounds[me], bounds[me + 1]
+    pos = torch.searchsorted(torch.tensor(needed[me], dtype=torch.long), idx[lo:hi])
+    # 2. resample along dim                                   (N, C, ..., O_local, ...)
+    cut = lambda t: None if t is None else t[lo:hi]  # noqa: E731
+    return _resample(x, dim, pos, cut(w), cut(valid)), out_sizes
+
+
+def _resample(x, dim, pos, w, valid=None):
     """Rows ``pos`` (O, T) of ``x`` along ``dim``, weighted by ``w`` (O, T) and summed
-    over the taps (the table is planned on the CPU; it moves to ``x``'s device)."""
+    over the taps (the table is planned on the CPU; it moves to ``x``'s device). A tap
+    that is not ``valid`` (a window shorter than T) adds nothing (not ``0 * row``: an
+    infinite row would make it nan)."""
     pos = pos.to(x.device)
     w = None if w is None else w.to(x.device)
     if w is None:
@@ -130,8 +142,82 @@ def _resample(x, dim, pos, w):
     out = None
     for t in range(pos.shape[1]):  # tap by tap, as torch sums them
         term = x.index_select(dim, pos[:, t].contiguous()) * w[:, t].view(shape)
+        if valid is not None and not bool(valid[:, t].all()):
+            term = torch.where(valid[:, t].to(x.device).view(shape), term, 0.0)
         out = term if out is None else out + term
     return out
+
+
+def _antialiased(input, mode, shape, align_corners, scales, sharded):
+    """``antialias=True``: W, then H, as torch's separable kernel resamples them; a whole
+    dim by torch's kernel (the other dim's size kept: torch leaves it as it is), a cut
+    dim by its weight table (:func:`_aa_table`). A dim whose size does not change is
+    left as it is, as torch does."""
+    if input.dtype == torch.uint8:
+        raise NotImplementedError(
+            "interpolate: antialias=True on a uint8 image is supported only where no "
+            "spatial dim is cut (torch rounds each of its passes in fixed point); got "
+            f"sharded dims {sorted(sharded)}: cast to float32, or cut the batch"
+        )
+    kernel = getattr(torch._C._nn, f"_upsample_{mode}2d_aa")
+    x, new_sizes = input.to_local(), {}  # (N, C, H_local, W_local)
+    for dim in (3, 2):
+        if input.shape[dim] == shape[dim]:
+            continue
+        i = dim - 2
+        if dim in sharded:
+            table = _aa_table(mode, input.shape[dim], shape[dim], align_corners, scales[i],
+                              x.dtype)  # fmt: skip
+            x, new_sizes[sharded[dim]] = _along(x, input, dim, sharded[dim], *table)
+            continue
+        sizes, per_dim = list(x.shape[2:]), [None, None]
+        sizes[i], per_dim[i] = shape[dim], scales[i]
+        if x.numel() == 0:
+            x = empty_like_output(x, [*x.shape[:2], *sizes])
+        elif dim == 2 and x.shape[3] == 1:  # a block 1 wide (see _aa_weights): as 2 wide
+            x = kernel(torch.cat([x, x], 3), [sizes[0], 2], align_corners, *per_dim)[..., :1]
+        else:
+            x = kernel(x, sizes, align_corners, *per_dim)
+    return rewrap(x, input, new_sizes, shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _aa_table(mode, length, out, align_corners, scale, dtype):
+    """The antialiased table of one dim: anchor (O,), rows (O, T), weights (O, T) and
+    which taps are real (O, T): each output's window is the span of its nonzero
+    weights, as torch computed them (:func:`_aa_weights`); the anchor, the window's
+    middle row, grows with the output (outputs stay in order across the ranks)."""
+    probe = torch.float64 if dtype == torch.float64 else torch.float32
+    w = _aa_weights(mode, length, out, align_corners, scale, probe)  # (O, L)
+    nz = w != 0
+    has = nz.any(1)
+    first = nz.float().argmax(1)
+    last = length - 1 - nz.flip(1).float().argmax(1)
+    taps = int((last - first + 1)[has].max()) if bool(has.any()) else 1
+    span = first.view(-1, 1) + torch.arange(taps)
+    valid = (span <= last.view(-1, 1)) & has.view(-1, 1)
+    rows = torch.where(valid, span, first.view(-1, 1)).clamp_max(length - 1)
+    weights = torch.where(valid, w.gather(1, rows), torch.zeros((), dtype=probe))
+    mid = torch.where(has, (first + last) // 2, torch.full_like(first, -1))
+    anchor = torch.cummax(mid, 0).values.clamp_min(0)
+    return anchor, rows, weights.to(dtype), valid
+
+
+def _aa_weights(mode, length, out, align_corners, scale, dtype, chunk=256):
+    """torch's antialiased weights along one dim, (O, L): its kernel on an identity
+    (channel l holds input row l alone; ``chunk`` rows at a time), resampling H, with
+    W = 2 left as it is (torch 2.13 resamples H wrongly when W comes out as 1: every
+    output then repeats the first one)."""
+    kernel = getattr(torch._C._nn, f"_upsample_{mode}2d_aa")
+    parts = []
+    with torch.no_grad():
+        for lo in range(0, length, chunk):
+            n = min(chunk, length - lo)
+            eye = torch.zeros(1, n, length, 2, dtype=dtype)  # (1, rows, L, 2)
+            eye[0, torch.arange(n), torch.arange(lo, lo + n)] = 1
+            w = kernel(eye, [out, 2], align_corners, scale, None)  # (1, rows, O, 2)
+            parts.append(w[0, :, :, 0])
+    return torch.cat(parts).t().contiguous()
 
 
 def _torch_kernel(x, mode, sizes, align_corners, scales):

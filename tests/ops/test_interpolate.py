@@ -128,8 +128,9 @@ def test_errors_on_every_rank(ranks_for):
         errors = []
         with shardlab.patched():
             x = distribute(torch.randn(1, 2, 6, 5), mesh, [Shard(2)], sizes=[4, 2])
+            u8 = distribute(torch.zeros(1, 2, 6, 5, dtype=torch.uint8), mesh, [Shard(2)], [4, 2])
             calls = (
-                lambda: F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True),
+                lambda: F.interpolate(u8, scale_factor=0.5, mode="bilinear", antialias=True),
                 lambda: F.interpolate(x, scale_factor=2, mode="nearest", align_corners=True),
                 lambda: F.interpolate(x, size=4, scale_factor=2),
                 lambda: F.interpolate(x, scale_factor=2, mode="linear"),  # 4-D input
@@ -152,3 +153,106 @@ def test_errors_on_every_rank(ranks_for):
             "ValueError",
             "NotImplementedError",
         ]
+
+
+def _aa_reference(g, kw):
+    """torch's antialiased resize of ``g`` (leaf) and what its backward should give.
+
+    Two torch 2.13 faults are stepped around, each with torch itself: where the output is
+    1 wide and H changes, torch's kernel repeats the first output row (torch's two passes
+    are run apart instead, W then H, H on the column copied 2 wide); where a dim keeps
+    its size but its scale is not 1, torch's backward is not the adjoint of its forward
+    (the gradient is forward-mode AD's)."""
+    kernel = getattr(torch._C._nn, f"_upsample_{kw['mode']}2d_aa")
+    ref = F.interpolate(g, **kw)
+    if ref.shape[3] == 1 and ref.shape[2] != g.shape[2]:
+        sf = kw.get("scale_factor")
+        sf = None if sf is None or kw.get("recompute_scale_factor") else sf
+        scale_h, scale_w = sf if isinstance(sf, (list, tuple)) else (sf, sf)
+        ac, h = kw["align_corners"], g.shape[2]
+        col = g if g.shape[3] == 1 else kernel(g, [h, 1], ac, None, scale_w)  # (N, C, H, 1)
+        ref = kernel(torch.cat([col, col], 3), [ref.shape[2], 2], ac, scale_h, None)[..., :1]
+    return ref
+
+
+def _aa_sweep(mesh_shape, cases, seed):
+    def body():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        rng = random.Random(seed)
+        done, seen = 0, set()
+        while done < cases:
+            kw = {"mode": rng.choice(["bilinear", "bicubic"]), "antialias": True,
+                  "align_corners": rng.random() < 0.3}  # fmt: skip
+            if rng.random() < 0.5:
+                kw["size"] = [rng.randint(1, 12), rng.randint(1, 12)]
+            else:
+                kw["scale_factor"] = rng.choice([0.3, 0.5, 0.7, 1.01, 1.5, 2.0, (0.4, 1.3)])
+                kw["recompute_scale_factor"] = rng.choice([None, True, False])
+            dtype = rng.choice([torch.float64, torch.float64, torch.float32])
+            shape = [rng.randint(1, 2), 2, rng.randint(1, 20), rng.randint(1, 20)]
+            g = torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(done))
+            xr = g.clone().requires_grad_()
+            try:
+                ref = _aa_reference(xr, kw)
+            except (RuntimeError, ValueError):
+                continue
+            w_out = torch.randn(ref.shape, dtype=dtype)
+            jac = torch.func.jacfwd(lambda t, kw=kw: _aa_reference(t, kw))(g)  # (*out, *in)
+            ref_grad = (jac * w_out.view(*w_out.shape, 1, 1, 1, 1)).sum((0, 1, 2, 3))
+            dims = rng.sample([2, 3], len(mesh_shape))
+            sizes = [random_sizes(rng, shape[d], mesh_shape[m]) for m, d in enumerate(dims)]
+            x = g.clone().requires_grad_()
+            with shardlab.patched():
+                st = distribute(x, mesh, [Shard(d) for d in dims], sizes=sizes)
+                with shardlab.trace() as t:
+                    y = F.interpolate(st, **kw)
+            out = y.full_tensor()
+            tol = 1e-12 if dtype == torch.float64 else 1e-5  # float32: torch's own rounding
+            cfg = (kw, shape, dims, sizes, dtype)
+            assert out.shape == ref.shape and torch.allclose(out, ref, atol=tol), cfg
+            (out * w_out).sum().backward()
+            assert torch.allclose(x.grad, ref_grad, atol=tol), cfg
+            assert set(t.counts()) <= {"send", "recv"}, (cfg, t.counts())
+            seen.add((kw["mode"], tuple(dims)))
+            done += 1
+        return done, len(seen)
+
+    return body
+
+
+def test_antialias_sweep_1d_mesh(ranks_for):
+    """antialias=True (a window that grows as the image shrinks) with H or W cut unevenly
+    over 3 ranks, empty shards among them: torch's values and gradients, halos only."""
+    got = ranks_for(3).run(_aa_sweep((3,), 40, seed=3))
+    assert got[0] == (40, 4)
+
+
+def test_antialias_sweep_2d_mesh(ranks_for):
+    got = ranks_for(4).run(_aa_sweep((2, 2), 16, seed=4))
+    assert got[0][0] == 16
+
+
+def test_antialias_rows_received(ranks_for):
+    """A x1/2 bilinear antialiased resize of 12 rows cut [5, 3, 4]: output o reads input
+    rows 2o-1 .. 2o+2 (row 0 .. 2 for o = 0) and is computed where its middle row lives
+    (anchors 1 2 4 | 6 | 8 10: sizes [3, 1, 2]); each rank receives the rows its outputs
+    read past its edge: 5 and 6 | 8 | 7, already 2 wide (W is resized first, as torch
+    does: the halo rows are the narrower ones)."""
+
+    def body():
+        g = torch.randn(
+            1, 1, 12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+        )
+        with shardlab.patched():
+            st = distribute(g, this_rank().mesh, [Shard(2)], sizes=[5, 3, 4])
+            with shardlab.trace() as t:
+                y = F.interpolate(st, scale_factor=0.5, mode="bilinear", antialias=True)
+        ref = F.interpolate(g, scale_factor=0.5, mode="bilinear", antialias=True)
+        return (torch.allclose(y.full_tensor(), ref, atol=1e-12), y.sharding.sizes_along(2),
+                t.bytes(kind="recv") // (2 * 8))  # fmt: skip
+
+    got = ranks_for(3).run(body)
+    assert [(ok, list(sizes)) for ok, sizes, _ in got] == [(True, [3, 1, 2])] * 3
+    assert [rows for _, _, rows in got] == [2, 1, 1]
