@@ -136,14 +136,22 @@ def route_dispatch(cls, rule) -> None:
 
 
 # -- torch's decompositions (private table; same layout 2.11-2.15) ----------------------
+# op -> the first torch version whose Python decomposition equals the op. Before it:
+# ``multilabel_margin_loss_forward`` counted the labels after a row's first -1 too
+# (``[[0.1, 0.2, 0.4, 0.8]]``, target ``[[3, 0, -1, 1]]``: 2.05 where the op gives 0.85).
+WRONG_DECOMPOSITIONS = {"aten.multilabel_margin_loss_forward.default": (2, 15)}
 def decomposition(func):
     """torch's decomposition of ``func`` into simpler aten ops, or None: the Python
     table (``torch._decomp``, private), else the op's own CompositeImplicitAutograd
     kernel (ops that are composite in one release and a kernel in another, such as
-    ``expand_as`` in 2.15)."""
+    ``expand_as`` in 2.15). None for the decompositions known to differ from the op
+    (:data:`WRONG_DECOMPOSITIONS`): the whole-tensor fallback runs the op itself."""
     import torch
     from torch._decomp import decomposition_table
 
+    wrong_before = WRONG_DECOMPOSITIONS.get(str(func))
+    if wrong_before is not None and torch_version() < wrong_before:
+        return None
     found = decomposition_table.get(func)
     if found is not None:
         return found

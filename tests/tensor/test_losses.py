@@ -180,3 +180,50 @@ def test_nll_and_cross_entropy_with_ignored_targets_unpatched(ranks_for, world):
     """DTensor averages the local means here: wrong when ranks ignore different counts."""
     got = ranks_for(world).run(_nll_body(world, 24, seed=world))
     assert got[0] == ["cross_entropy", "nll_loss"]
+
+
+def test_class_losses_with_a_target_row_per_sample(ranks_for):
+    """Losses over (B, C) scores with a target per row, the batch cut unevenly (an empty
+    shard among them), every reduction: ``multilabel_margin_loss`` with its labels ended
+    by -1 (torch 2.11-2.14's decomposition counted the labels after the -1 too: the
+    whole-tensor fallback runs the op itself there), ``multi_margin_loss`` with class
+    weights, ``multilabel_soft_margin_loss``."""
+
+    def body():
+        mesh = this_rank().mesh
+        gen = torch.Generator().manual_seed(0)
+        b, c = 9, 5
+        scores = torch.randn(b, c, dtype=torch.float64, generator=gen)
+        labels = torch.randint(0, c, (b, c), generator=gen)
+        labels[torch.arange(b), torch.randint(0, c, (b,), generator=gen)] = -1  # ends
+        labels[0] = -1  # no label at all
+        cls = torch.randint(0, c, (b,), generator=gen)
+        multi_hot = (torch.rand(b, c, generator=gen) > 0.5).double()
+        weight = torch.rand(c, dtype=torch.float64, generator=gen) + 0.5
+        calls = {
+            "multilabel_margin": lambda x, t: F.multilabel_margin_loss(x, t[0], **t[1]),
+            "multi_margin": lambda x, t: F.multi_margin_loss(x, t[0], p=2, weight=weight, **t[1]),
+            "multilabel_soft_margin": lambda x, t: F.multilabel_soft_margin_loss(x, t[0], **t[1]),
+        }
+        targets = {"multilabel_margin": labels, "multi_margin": cls,
+                   "multilabel_soft_margin": multi_hot}  # fmt: skip
+        bad = []
+        for name, call in calls.items():
+            for reduction in ("none", "mean", "sum"):
+                kw = {"reduction": reduction}
+                ref_x = scores.clone().requires_grad_()
+                ref = call(ref_x, (targets[name], kw))
+                w = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
+                (ref * w).sum().backward()
+                x = scores.clone().requires_grad_()
+                st = distribute(x, mesh, [Shard(0)], sizes=[4, 0, 5])
+                tt = distribute(targets[name], mesh, [Shard(0)], sizes=[4, 0, 5])
+                out = call(st, (tt, kw))
+                full = out.full_tensor()
+                (full * w).sum().backward()
+                if not (torch.allclose(full, ref, atol=1e-12)
+                        and torch.allclose(x.grad, ref_x.grad, atol=1e-12)):  # fmt: skip
+                    bad.append((name, reduction, (full - ref).abs().max().item()))
+        return bad
+
+    assert ranks_for(3).run(body) == [[]] * 3
