@@ -36,7 +36,7 @@ scale): torch resamples one dim at a time, W then H; so does this, W then H: a w
 torch's own kernel, a cut dim by the same steps 1-2 with torch's own weights (asked of
 torch once per shape: its kernel run on an identity, row ``l`` of which gives every
 output's weight for input row ``l``). uint8 images (torch rounds each pass in fixed point)
-raise NotImplementedError on a cut dim.
+and half precision (torch's CPU kernel has none) raise NotImplementedError on a cut dim.
 """
 
 from __future__ import annotations
@@ -150,31 +150,31 @@ def _resample(x, dim, pos, w, valid=None):
 
 def _antialiased(input, mode, shape, align_corners, scales, sharded):
     """``antialias=True``: W, then H, as torch's separable kernel resamples them; a whole
-    dim by torch's kernel (the other dim's size kept: torch leaves it as it is), a cut
-    dim by its weight table (:func:`_aa_table`). A dim whose size does not change is
-    left as it is, as torch does."""
-    if input.dtype == torch.uint8:
+    dim by torch's kernel (the other dim's size kept: left as it is), a cut dim by its
+    weight table (:func:`_aa_table`, asked of the same kernel on the same device: where
+    a dim keeps its size the CPU kernel copies it, and so does the table)."""
+    if input.dtype not in (torch.float32, torch.float64):
         raise NotImplementedError(
-            "interpolate: antialias=True on a uint8 image is supported only where no "
-            "spatial dim is cut (torch rounds each of its passes in fixed point); got "
-            f"sharded dims {sorted(sharded)}: cast to float32, or cut the batch"
+            "interpolate: antialias=True on an image cut along a spatial dim is supported "
+            f"for float32 and float64; got {input.dtype} with sharded dims "
+            f"{sorted(sharded)}: cast the image, or cut the batch"
         )
     kernel = getattr(torch._C._nn, f"_upsample_{mode}2d_aa")
     x, new_sizes = input.to_local(), {}  # (N, C, H_local, W_local)
     for dim in (3, 2):
-        if input.shape[dim] == shape[dim]:
-            continue
         i = dim - 2
         if dim in sharded:
             table = _aa_table(mode, input.shape[dim], shape[dim], align_corners, scales[i],
-                              x.dtype)  # fmt: skip
+                              x.dtype, str(x.device))  # fmt: skip
             x, new_sizes[sharded[dim]] = _along(x, input, dim, sharded[dim], *table)
             continue
+        if input.shape[dim] == shape[dim] and x.device.type == "cpu":
+            continue  # torch's CPU kernel copies it (and its backward would not: 2.13)
         sizes, per_dim = list(x.shape[2:]), [None, None]
         sizes[i], per_dim[i] = shape[dim], scales[i]
         if x.numel() == 0:
             x = empty_like_output(x, [*x.shape[:2], *sizes])
-        elif dim == 2 and x.shape[3] == 1:  # a block 1 wide (see _aa_weights): as 2 wide
+        elif dim == 2 and x.shape[3] == 1:  # a block 1 wide (see _aa_table): as 2 wide
             x = kernel(torch.cat([x, x], 3), [sizes[0], 2], align_corners, *per_dim)[..., :1]
         else:
             x = kernel(x, sizes, align_corners, *per_dim)
@@ -182,42 +182,42 @@ def _antialiased(input, mode, shape, align_corners, scales, sharded):
 
 
 @functools.lru_cache(maxsize=64)
-def _aa_table(mode, length, out, align_corners, scale, dtype):
-    """The antialiased table of one dim: anchor (O,), rows (O, T), weights (O, T) and
-    which taps are real (O, T): each output's window is the span of its nonzero
-    weights, as torch computed them (:func:`_aa_weights`); the anchor, the window's
-    middle row, grows with the output (outputs stay in order across the ranks)."""
-    probe = torch.float64 if dtype == torch.float64 else torch.float32
-    w = _aa_weights(mode, length, out, align_corners, scale, probe)  # (O, L)
-    nz = w != 0
-    has = nz.any(1)
-    first = nz.float().argmax(1)
-    last = length - 1 - nz.flip(1).float().argmax(1)
-    taps = int((last - first + 1)[has].max()) if bool(has.any()) else 1
-    span = first.view(-1, 1) + torch.arange(taps)
-    valid = (span <= last.view(-1, 1)) & has.view(-1, 1)
-    rows = torch.where(valid, span, first.view(-1, 1)).clamp_max(length - 1)
-    weights = torch.where(valid, w.gather(1, rows), torch.zeros((), dtype=probe))
-    mid = torch.where(has, (first + last) // 2, torch.full_like(first, -1))
-    anchor = torch.cummax(mid, 0).values.clamp_min(0)
-    return anchor, rows, weights.to(dtype), valid
+def _aa_table(mode, length, out, align_corners, scale, dtype, device, chunk=256):
+    """The antialiased table of one dim, on the CPU: anchor (O,), rows (O, T), weights
+    (O, T) and which taps are real (O, T).
 
-
-def _aa_weights(mode, length, out, align_corners, scale, dtype, chunk=256):
-    """torch's antialiased weights along one dim, (O, L): its kernel on an identity
-    (channel l holds input row l alone; ``chunk`` rows at a time), resampling H, with
-    W = 2 left as it is (torch 2.13 resamples H wrongly when W comes out as 1: every
-    output then repeats the first one)."""
+    The weights are torch's own: its kernel run on an identity (channel l holds input
+    row l alone, ``chunk`` rows at a time) resamples H, W = 2 left as it is (torch 2.13
+    resamples H wrongly when W comes out 1 wide: every output repeats the first one).
+    Each output's window is the span of its nonzero weights; its anchor, the window's
+    middle row, grows with the output (outputs stay in order across the ranks). Only the
+    nonzero weights are kept (a window is ~4 x scale rows, not L); built with autograd
+    and inference mode off (a table made under ``inference_mode`` is used in training)."""
     kernel = getattr(torch._C._nn, f"_upsample_{mode}2d_aa")
-    parts = []
-    with torch.no_grad():
+    rows, cols, vals = [], [], []
+    with torch.inference_mode(False), torch.no_grad():
         for lo in range(0, length, chunk):
             n = min(chunk, length - lo)
-            eye = torch.zeros(1, n, length, 2, dtype=dtype)  # (1, rows, L, 2)
+            eye = torch.zeros(1, n, length, 2, dtype=dtype, device=device)  # (1, rows, L, 2)
             eye[0, torch.arange(n), torch.arange(lo, lo + n)] = 1
-            w = kernel(eye, [out, 2], align_corners, scale, None)  # (1, rows, O, 2)
-            parts.append(w[0, :, :, 0])
-    return torch.cat(parts).t().contiguous()
+            w = kernel(eye, [out, 2], align_corners, scale, None)[0, :, :, 0].cpu()  # (rows, O)
+            r, o = w.nonzero(as_tuple=True)
+            rows.append(r + lo), cols.append(o), vals.append(w[r, o])
+        r, o, v = torch.cat(rows), torch.cat(cols), torch.cat(vals)
+        big = torch.full((out,), length, dtype=torch.long)
+        first = big.scatter_reduce(0, o, r, "amin")
+        last = torch.full((out,), -1, dtype=torch.long).scatter_reduce(0, o, r, "amax")
+        has = last >= 0
+        first, last = torch.where(has, first, 0), torch.where(has, last, 0)
+        taps = int((last - first + 1)[has].max()) if bool(has.any()) else 1
+        weights = torch.zeros(out, taps, dtype=dtype)
+        weights[o, r - first[o]] = v
+        span = first.view(-1, 1) + torch.arange(taps)
+        valid = (span <= last.view(-1, 1)) & has.view(-1, 1)
+        table_rows = torch.where(valid, span, first.view(-1, 1)).clamp_max(length - 1)
+        mid = torch.where(has, (first + last) // 2, torch.full_like(first, -1))
+        anchor = torch.cummax(mid, 0).values.clamp_min(0)
+    return anchor, table_rows, weights, valid
 
 
 def _torch_kernel(x, mode, sizes, align_corners, scales):

@@ -129,8 +129,10 @@ def test_errors_on_every_rank(ranks_for):
         with shardlab.patched():
             x = distribute(torch.randn(1, 2, 6, 5), mesh, [Shard(2)], sizes=[4, 2])
             u8 = distribute(torch.zeros(1, 2, 6, 5, dtype=torch.uint8), mesh, [Shard(2)], [4, 2])
+            f16 = distribute(torch.zeros(1, 2, 6, 5, dtype=torch.float16), mesh, [Shard(2)], [6, 0])
             calls = (
                 lambda: F.interpolate(u8, scale_factor=0.5, mode="bilinear", antialias=True),
+                lambda: F.interpolate(f16, scale_factor=0.5, mode="bicubic", antialias=True),
                 lambda: F.interpolate(x, scale_factor=2, mode="nearest", align_corners=True),
                 lambda: F.interpolate(x, size=4, scale_factor=2),
                 lambda: F.interpolate(x, scale_factor=2, mode="linear"),  # 4-D input
@@ -148,6 +150,7 @@ def test_errors_on_every_rank(ranks_for):
 
     for errors, ok in ranks_for(2).run(body):
         assert ok and errors == [
+            "NotImplementedError",
             "NotImplementedError",
             "ValueError",
             "ValueError",
@@ -202,10 +205,15 @@ def _aa_sweep(mesh_shape, cases, seed):
             jac = torch.func.jacfwd(lambda t, kw=kw: _aa_reference(t, kw))(g)  # (*out, *in)
             ref_grad = (jac * w_out.view(*w_out.shape, 1, 1, 1, 1)).sum((0, 1, 2, 3))
             dims = rng.sample([2, 3], len(mesh_shape))
+            if len(mesh_shape) == 2 and rng.random() < 0.3:
+                dims[rng.randrange(2)] = 0  # the batch and one spatial dim
             sizes = [random_sizes(rng, shape[d], mesh_shape[m]) for m, d in enumerate(dims)]
             x = g.clone().requires_grad_()
             with shardlab.patched():
                 st = distribute(x, mesh, [Shard(d) for d in dims], sizes=sizes)
+                if rng.random() < 0.2:  # a table first made under inference mode
+                    with torch.inference_mode():
+                        F.interpolate(distribute(g, mesh, [Shard(d) for d in dims], sizes), **kw)
                 with shardlab.trace() as t:
                     y = F.interpolate(st, **kw)
             out = y.full_tensor()
