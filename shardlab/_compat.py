@@ -140,6 +140,8 @@ def route_dispatch(cls, rule) -> None:
 # ``multilabel_margin_loss_forward`` counted the labels after a row's first -1 too
 # (``[[0.1, 0.2, 0.4, 0.8]]``, target ``[[3, 0, -1, 1]]``: 2.05 where the op gives 0.85).
 WRONG_DECOMPOSITIONS = {"aten.multilabel_margin_loss_forward.default": (2, 15)}
+
+
 def decomposition(func):
     """torch's decomposition of ``func`` into simpler aten ops, or None: the Python
     table (``torch._decomp``, private), else the op's own CompositeImplicitAutograd
