@@ -18,9 +18,9 @@ alternated (one device, DTensor, ShardTensor, ...) and each column is the median
 16), so a step is a few hundred small torch calls, and any tensor subclass that decides in
 Python per op multiplies it: how much does DTensor itself, on the same model?
 
-DTensor's loss is ``Partial(avg)`` pending on two ranks (a mean of the ranks' means, wrong
-when they hold different numbers of counted tokens); shardlab's is the exact mean (one
-all-reduce).
+On two ranks DTensor refuses the model's loss (its ``nll_loss`` will not take a mean of
+``torch.chunk``'s uneven pieces, which it would bias; the row says "fails" and the error is
+printed below the table); shardlab's mean is exact (one all-reduce).
 """
 
 from __future__ import annotations
