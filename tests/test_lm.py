@@ -209,7 +209,6 @@ def _body_2d(name, world):
     def body():
         import copy
 
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -218,8 +217,7 @@ def _body_2d(name, world):
         from shardlab.demo.gpt import tp_plan
         from shardlab.lm import shard_batch
 
-        me = this_rank()
-        mesh = init_device_mesh(me.device.type, (world // 2, 2), mesh_dim_names=("seq", "tp"))
+        mesh = this_rank().mesh_for((world // 2, 2), names=("seq", "tp"))
         model = _model(name)
         ref = copy.deepcopy(model)
         ids, _, labels = _batch(False)

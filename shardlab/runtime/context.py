@@ -41,6 +41,30 @@ class RankContext:
     device: Any  # torch.device
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh, 1-D over all ranks
     ns: dict = field(default_factory=dict)
+    _meshes: dict = field(default_factory=dict, repr=False)
+
+    def mesh_for(self, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
+        """The :class:`~torch.distributed.device_mesh.DeviceMesh` of ``shape`` over all
+        ranks (``names``: its ``mesh_dim_names``), made the first time every rank asks for
+        it and the same object after that.
+
+        Each mesh of several dims made with ``init_device_mesh`` creates a process group per
+        dim (with gloo: sockets and threads polling them) that lives until the process
+        ends. A cell or a loop that makes its 2-D mesh again each run piles them up; ask
+        for it here instead. Every rank must call it (the first call is a collective)::
+
+            mesh = shardlab.this_rank().mesh_for((2, 2), names=("dp", "sp"))
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(int(s) for s in shape)
+        names = None if names is None else tuple(names)
+        if shape == (self.world_size,) and names is None:
+            return self.mesh
+        key = (shape, names)
+        if key not in self._meshes:
+            self._meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self._meshes[key]
 
     def __repr__(self) -> str:
         return (

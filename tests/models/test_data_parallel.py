@@ -18,14 +18,13 @@ def _body(name: str):
     def body():
         import copy
 
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
         from torch.nn.parallel import DistributedDataParallel
 
         import shardlab
-        from shardlab import distribute
+        from shardlab import distribute, this_rank
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        mesh = this_rank().mesh_for((2, 2), names=("dp", "cp"))
         gen = torch.Generator().manual_seed(3)
         if name in _zoo.DECODERS:
             model = _zoo.decoder(name).double()

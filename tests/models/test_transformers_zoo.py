@@ -35,12 +35,10 @@ def _bad_params(want, got, rtol, atol):
 
 def _vision_body(name: str, mesh_2d: bool = False, atol: float = 1e-12):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
-
         import shardlab
         from shardlab import distribute, this_rank
 
-        mesh = init_device_mesh("cpu", (2, 2)) if mesh_2d else this_rank().mesh
+        mesh = this_rank().mesh_for((2, 2)) if mesh_2d else this_rank().mesh
         model, kind = _zoo.vision(name)
         model = model.double()
         g = torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -113,9 +113,9 @@ def _placements(rng, cfg, mesh_shape, seq_m, sq_sizes, kv_sizes):
 
 def _sweep(mesh_shape, cases, seed):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         coord = tuple(mesh.get_coordinate())
         rng = random.Random(seed)
         for i in range(cases):
@@ -478,9 +478,9 @@ def test_sequence_cut_by_both_dims_of_a_2d_mesh_is_one_ring(ranks_for, causal):
     forward (empty blocks never travel)."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = init_device_mesh("cpu", (2, 2))
+        mesh = this_rank().mesh_for((2, 2))
         gen = torch.Generator().manual_seed(9)
         q, k, v = (torch.randn(2, 2, 13, 4, generator=gen, dtype=f64, requires_grad=True)
                    for _ in range(3))  # fmt: skip

@@ -123,9 +123,9 @@ def _placements(cfg, mesh_shape, rng):
 
 def _sweep(mesh_shape, cases, size_seed):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         rng = random.Random(size_seed)
         results = []
         for i in range(cases):

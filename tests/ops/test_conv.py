@@ -85,9 +85,9 @@ def _module(cfg):
 
 def _sweep(mesh_shape, cases, seed):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         rng = random.Random(seed)
         done, seen = 0, set()
         while done < cases:
@@ -359,9 +359,9 @@ def test_two_d_mesh_exact_bytes_with_corners(ranks_for):
     window, which carry the corners. Each rank receives exactly what its window lacks."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = init_device_mesh("cpu", (2, 2))
+        mesh = this_rank().mesh_for((2, 2))
         i, j = mesh.get_coordinate()
         h_sizes, w_sizes = [4, 3], [2, 5]
         torch.manual_seed(0)

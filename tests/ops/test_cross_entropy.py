@@ -19,9 +19,9 @@ F64 = torch.float64
 
 
 def _mesh(mesh_shape):
-    from torch.distributed.device_mesh import init_device_mesh
+    from shardlab import this_rank
 
-    return this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+    return this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
 
 
 def _target_layout(layout, probs):
@@ -347,7 +347,7 @@ def test_bad_input_raises_torchs_own_errors_on_every_rank(ranks_for):
 
 def test_unsupported_layouts_are_clear_errors_on_every_rank(ranks_for):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
         mesh, errors = this_rank().mesh, []
         x, t = torch.randn(4, 6), torch.randint(0, 6, (4,))
@@ -372,7 +372,7 @@ def test_unsupported_layouts_are_clear_errors_on_every_rank(ranks_for):
                 got = F.cross_entropy(logits, target).full_tensor()
                 errors.append(torch.allclose(got, ref))
             # the classes cut by both mesh dims: gathered along the second one first
-            nested = distribute(x, init_device_mesh("cpu", (2, 2)), [Shard(1), Shard(1)])
+            nested = distribute(x, this_rank().mesh_for((2, 2)), [Shard(1), Shard(1)])
             errors.append(
                 torch.allclose(F.cross_entropy(nested, t).full_tensor(), F.cross_entropy(x, t))
             )

@@ -36,9 +36,9 @@ def test_torch_scheme_is_torch_dropout_bit_for_bit(ranks_for):
 
 def test_counter_scheme_same_mask_for_every_layout(ranks_for):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh1, mesh2 = this_rank().mesh, init_device_mesh("cpu", (2, 2))
+        mesh1, mesh2 = this_rank().mesh, this_rank().mesh_for((2, 2))
         g = torch.rand(3, 2, 11, 6, dtype=torch.float64) + 1  # no zeros in the input
         outs = []
         with shardlab.patched():
@@ -92,11 +92,10 @@ def test_flattened_and_doubly_cut_rows_keep_their_layout(ranks_for):
     dim) keep the layout and send nothing; the mask is one device's."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
-
+        from shardlab import this_rank
         from shardlab.trace import trace
 
-        mesh1, mesh2 = this_rank().mesh, init_device_mesh("cpu", (2, 2))
+        mesh1, mesh2 = this_rank().mesh, this_rank().mesh_for((2, 2))
         g = torch.rand(3, 11, 6, dtype=torch.float64) + 1
         w = torch.randn(6, dtype=torch.float64)
         torch.manual_seed(5)

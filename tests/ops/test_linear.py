@@ -32,12 +32,12 @@ def test_rows_only_and_the_result_layout():
 
 def _sweep(mesh_shape, cases, seed):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
         mesh = (
             this_rank().mesh
             if len(mesh_shape) == 1
-            else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("a", "b"))
+            else this_rank().mesh_for(mesh_shape, names=("a", "b"))
         )
         rng = random.Random(seed)
         out = []

@@ -88,7 +88,6 @@ def test_plain_errors_are_torch_style():
 
 def _sharded_body(cases):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
 
         import shardlab
@@ -97,7 +96,7 @@ def _sharded_body(cases):
         me = this_rank()
         out = []
         for shape, ks, ds, cs, cuts, mesh_shape in cases:
-            mesh = me.mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+            mesh = me.mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
             n = len(shape) - 3
             gen = torch.Generator().manual_seed(1)
             q, k, v = (torch.randn(*shape, dtype=torch.float64, generator=gen) for _ in "qkv")

@@ -41,12 +41,12 @@ MODULES = {  # name -> (factory, label, reduced dims: a collective iff one is sh
 
 def _body(layout_names):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
         results = []
         for lname in layout_names:
             mesh_shape, placements, sizes = LAYOUTS[lname]
-            mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+            mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
             sharded = {  # cut across ranks
                 p.dim for p, n in zip(placements, mesh_shape) if isinstance(p, Shard) and n > 1
             }

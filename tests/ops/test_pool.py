@@ -38,9 +38,9 @@ def _random_call(rng):
 
 def _sweep(mesh_shape, cases, seed):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         rng = random.Random(seed)
         done, names = 0, set()
         while done < cases:

@@ -57,9 +57,8 @@ N_BATCH_NORMS = 10
 
 def _run(mesh_shape, placements, sizes):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         torch.manual_seed(0)
         ref_model, model = UNet().double(), UNet().double()
         model.load_state_dict(ref_model.state_dict())

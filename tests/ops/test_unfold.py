@@ -17,9 +17,9 @@ from tests.tensor._cases import random_sizes, sizes_for
 
 def _f_unfold_body(mesh_shape, cases, seed):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         rng = random.Random(seed)
         done = 0
         for _ in range(cases):

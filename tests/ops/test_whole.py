@@ -71,12 +71,11 @@ def _calls(gen):
 
 
 def _body():
-    from torch.distributed.device_mesh import init_device_mesh
-
+    from shardlab import this_rank
     from shardlab.trace import trace
 
     n = this_rank().world_size
-    mesh = this_rank().mesh if n == 1 else init_device_mesh("cpu", (n, 1))
+    mesh = this_rank().mesh if n == 1 else this_rank().mesh_for((n, 1))
     gen = torch.Generator().manual_seed(5)
     out = []
     for name, args, kwargs, i, dim in _calls(gen):
@@ -142,10 +141,10 @@ def test_whole_blocks_take_torchs_own_call(ranks_for, world):
 
 
 def _errors_and_autocast():
-    from torch.distributed.device_mesh import init_device_mesh
+    from shardlab import this_rank
 
     n = this_rank().world_size
-    mesh = init_device_mesh("cpu", (n, 1))
+    mesh = this_rank().mesh_for((n, 1))
     x = torch.randn(2, 3, 8, 8)
     st = distribute(x, mesh, [Replicate(), Shard(2)])
     w = torch.randn(4, 3, 3, 3)

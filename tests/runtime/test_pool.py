@@ -25,6 +25,34 @@ def test_results_in_rank_order(ranks_for, world):
     assert got == [(r, world, total, (world,)) for r in range(world)]
 
 
+def test_mesh_for_makes_each_mesh_once(ranks_for):
+    """``this_rank().mesh_for(shape)``: the same DeviceMesh object every time it is asked
+    for again (a 2-D mesh made anew each time piles up process groups and their threads),
+    one per shape and dim names, and the default mesh for the 1-D mesh over all ranks."""
+
+    def body():
+        import threading
+
+        me = this_rank()
+        first = me.mesh_for((2, 2))
+        threads = threading.active_count(), len(os.listdir("/proc/self/task"))
+        again = [me.mesh_for((2, 2)) for _ in range(5)]
+        same_threads = threads == (threading.active_count(), len(os.listdir("/proc/self/task")))
+        named = me.mesh_for((2, 2), names=("dp", "sp"))
+        x = torch.ones(1)
+        dist.all_reduce(x, group=named.get_group("sp"))
+        return (
+            all(m is first for m in again),
+            same_threads,
+            named is not first and named.mesh_dim_names == ("dp", "sp"),
+            x.item(),
+            me.mesh_for((4,)) is me.mesh,
+            tuple(first.mesh.flatten().tolist()),
+        )
+
+    assert ranks_for(4).run(body) == [(True, True, True, 2.0, True, (0, 1, 2, 3))] * 4
+
+
 def test_args_kwargs_and_closures(ranks_for):
     offset = 10  # captured by value from this frame, as in a notebook
     fn = lambda a, *, b: this_rank().rank * a + b + offset

@@ -14,11 +14,11 @@ from tests.tensor._cases import block, placements_1d, random_sizes, sizes_for
 
 
 def _mesh(shape):
-    from torch.distributed.device_mesh import init_device_mesh
+    from shardlab import this_rank
 
     if len(shape) == 1:
         return this_rank().mesh
-    return init_device_mesh("cpu", shape)
+    return this_rank().mesh_for(shape)
 
 
 def _partials(g, layout, seed):
@@ -172,9 +172,9 @@ def test_scatter_tensor_on_a_2d_mesh_and_on_sub_meshes(ranks_for):
     scatter its own tensor from its own source at the same time; any source on the 2-D mesh."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "domain"))
+        mesh = this_rank().mesh_for((2, 2), names=("dp", "domain"))
         me = dist.get_rank()
         row = mesh["domain"]  # ranks [0, 1] or [2, 3]
         src = int(row.mesh[1])  # the row's second rank holds the data
@@ -248,7 +248,7 @@ def test_distribute_needs_no_communication(ranks_for, world):
 
 def test_bad_input_errors_on_every_rank(ranks_for):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
         mesh = this_rank().mesh
         x = torch.ones(4, 2)
@@ -261,7 +261,7 @@ def test_bad_input_errors_on_every_rank(ranks_for):
             "device": lambda: distribute(torch.ones(3, device="meta"), mesh, [Shard(0)]),
             "mesh": lambda: ShardTensor.from_local(x, "mesh", [Shard(0)]),
             "other mesh": lambda: distribute(x, mesh, [Shard(0)]).redistribute(
-                init_device_mesh("cpu", (1, 3)), [Replicate(), Replicate()]
+                this_rank().mesh_for((1, 3)), [Replicate(), Replicate()]
             ),
         }
         try:  # only rank 2's block (3 rows) disagrees with its 4-row local tensor
@@ -360,11 +360,9 @@ def test_torch_save_and_load_keep_the_layout(ranks_for, tmp_path):
     path = str(tmp_path)
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import distribute, this_rank
 
-        from shardlab import distribute
-
-        mesh = init_device_mesh("cpu", (2, 2))
+        mesh = this_rank().mesh_for((2, 2))
         g = torch.arange(7.0 * 5).reshape(7, 5)
         x = distribute(g, mesh, [Shard(0), Shard(1)], [[5, 2], [1, 4]])
         f = f"{path}/rank{mesh.get_rank()}.pt"
@@ -430,11 +428,9 @@ def test_tolist_gives_the_global_values_on_every_rank(ranks_for):
     uneven, Partial and 0-d ones too."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import distribute, this_rank
 
-        from shardlab import distribute
-
-        mesh = init_device_mesh("cpu", (2, 2))
+        mesh = this_rank().mesh_for((2, 2))
         g = torch.arange(7.0 * 5).reshape(7, 5)
         x = distribute(g, mesh, [Shard(0), Shard(1)], [[5, 2], [1, 4]]).requires_grad_()
         partial = x.sum(0)  # (a reduction over a cut dim: pending sums)

@@ -35,9 +35,9 @@ CALLS = {  # name: (call on (A, S, B) (A square, S symmetric positive definite),
 
 def _body(mesh_shape, batch, placements, sizes, plain_b):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         gen = torch.Generator().manual_seed(0)
         a = torch.randn(*batch, 4, 4, dtype=f64, generator=gen) + 4 * torch.eye(4, dtype=f64)
         s = a @ a.mT

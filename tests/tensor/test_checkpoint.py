@@ -24,9 +24,9 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.int64]
 
 
 def _mesh(shape):
-    from torch.distributed.device_mesh import init_device_mesh
+    from shardlab import this_rank
 
-    return this_rank().mesh if len(shape) == 1 else init_device_mesh("cpu", shape)
+    return this_rank().mesh if len(shape) == 1 else this_rank().mesh_for(shape)
 
 
 def _tensor(shape, seed, dtype=torch.float64):

@@ -112,10 +112,11 @@ def _fsdp_domain(sizes, seed):
     import copy
 
     import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "domain"))
+    from shardlab import this_rank
+
+    mesh = this_rank().mesh_for((2, 2), names=("dp", "domain"))
     torch.manual_seed(seed)
     net = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),

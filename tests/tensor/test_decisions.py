@@ -122,7 +122,6 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
     nothing."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
 
         from shardlab import distribute, this_rank
@@ -130,7 +129,7 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
         from tests.tensor._cases import key_variants
 
         mesh = this_rank().mesh
-        other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
+        other = this_rank().mesh_for((2,), names=("other",))
         g = torch.randn(2, 6, 4)
         base = distribute(g, mesh, [Shard(1)], [[4, 2]])
         variants = {
@@ -350,14 +349,13 @@ def test_whole_blocks_keep_decisions_without_moves(ranks_for, world):
     a cat of Replicate and Shard), and replays equal torch."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
 
         from shardlab import distribute, this_rank
         from shardlab.tensor import decisions
 
         n = this_rank().world_size
-        mesh = this_rank().mesh if n == 1 else init_device_mesh("cpu", (n, 1))
+        mesh = this_rank().mesh if n == 1 else this_rank().mesh_for((n, 1))
         places = [Shard(1)] if n == 1 else [Replicate(), Shard(1)]
         g = torch.Generator().manual_seed(4)
         x0 = torch.randn(2, 6, 4, generator=g)

@@ -375,14 +375,13 @@ def test_fused_attention_on_a_sequence_cut_by_one_rank(ranks_for, world):
     rank; world 2: the batch cut on mesh dim 0 (2 ranks), the sequence on dim 1 (1)."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
-
         import shardlab
+        from shardlab import this_rank
         from shardlab.tensor import decisions
         from shardlab.trace import trace
 
         n = this_rank().world_size
-        mesh = this_rank().mesh if n == 1 else init_device_mesh("cpu", (n, 1))
+        mesh = this_rank().mesh if n == 1 else this_rank().mesh_for((n, 1))
         places = [Shard(2)] if n == 1 else [Shard(0), Shard(2)]
         sizes = None if n == 1 else [[3, 1], None]
         gen = torch.Generator().manual_seed(11)
@@ -526,12 +525,11 @@ def test_fused_attention_with_features_cut_by_one_rank(ranks_for, world):
     (the logsumexp's layout once failed on a Shard of the feature dim)."""
 
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
-
+        from shardlab import this_rank
         from shardlab.trace import trace
 
         n = this_rank().world_size
-        mesh = this_rank().mesh if n == 1 else init_device_mesh("cpu", (n, 1))
+        mesh = this_rank().mesh if n == 1 else this_rank().mesh_for((n, 1))
         gen = torch.Generator().manual_seed(12)
         res = []
         for places in ([Shard(3)], [Shard(2)]) if n == 1 else ([Shard(0), Shard(3)],):

@@ -17,9 +17,9 @@ def _expanded_index_body(seed, mesh_shape=None):
 
         mesh = this_rank().mesh
         if mesh_shape is not None:
-            from torch.distributed.device_mesh import init_device_mesh
+            from shardlab import this_rank
 
-            mesh = init_device_mesh(this_rank().device.type, mesh_shape)
+            mesh = this_rank().mesh_for(mesh_shape)
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         out = []

@@ -143,9 +143,9 @@ def _sweep_body(seed: int, mixed: bool, mesh_shape=None):
 
         mesh = this_rank().mesh
         if mesh_shape is not None:
-            from torch.distributed.device_mesh import init_device_mesh
+            from shardlab import this_rank
 
-            mesh = init_device_mesh("cpu", mesh_shape)
+            mesh = this_rank().mesh_for(mesh_shape)
         rng = random.Random(seed)
         results = {}
         for op in _foreach_cases():
@@ -228,9 +228,9 @@ def _optim_body(names, mode: str, clip: bool, mesh_shape=None):
 
         mesh = this_rank().mesh
         if mesh_shape is not None:
-            from torch.distributed.device_mesh import init_device_mesh
+            from shardlab import this_rank
 
-            mesh = init_device_mesh("cpu", mesh_shape)
+            mesh = this_rank().mesh_for(mesh_shape)
         R = Replicate()
 
         def model(shard):

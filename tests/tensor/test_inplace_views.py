@@ -24,9 +24,9 @@ CALLS = [
 
 def _calls(mesh_shape, sizes):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = this_rank().mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         placements = [Shard(1)] if len(mesh_shape) == 1 else [Shard(1), Shard(2)]
         g = torch.randn(2, 7, 4, 1, dtype=f64, generator=torch.Generator().manual_seed(0))
         w = None

@@ -55,7 +55,6 @@ def _counting():
 
 def _sweep(seed, mesh_shape=None):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Partial, Replicate, Shard
 
         import shardlab
@@ -63,7 +62,7 @@ def _sweep(seed, mesh_shape=None):
         from shardlab.tensor import decisions
         from tests.tensor._cases import random_sizes, sizes_for
 
-        mesh = this_rank().mesh if mesh_shape is None else init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh if mesh_shape is None else this_rank().mesh_for(mesh_shape)
         rng = random.Random(seed)
         bad, replays = [], 0
         decisions.clear()

@@ -43,10 +43,10 @@ def _call(rng, x):
 
 def _body(mesh_shape, cases, seed):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
         me = this_rank()
-        mesh = me.mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = me.mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         rng = random.Random(seed)
         done = set()
         for i in range(cases):

@@ -14,14 +14,12 @@ from torch.distributed.tensor import Replicate, Shard
 
 def _body(mesh_shape=None):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
-
         import shardlab
-        from shardlab import distribute
+        from shardlab import distribute, this_rank
 
         mesh = shardlab.this_rank().mesh
         if mesh_shape is not None:
-            mesh = init_device_mesh("cpu", mesh_shape)
+            mesh = this_rank().mesh_for(mesh_shape)
         n = mesh.shape[-1]
         g = torch.randn(9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         g[2, 1] = float("nan")

@@ -27,13 +27,13 @@ FNS = {
 
 def _ops_body(mesh_shape, sizes, backends):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
 
         import shardlab
+        from shardlab import this_rank
 
         me = shardlab.this_rank()
-        mesh = me.mesh if len(mesh_shape) == 1 else init_device_mesh("cpu", mesh_shape)
+        mesh = me.mesh if len(mesh_shape) == 1 else this_rank().mesh_for(mesh_shape)
         places = [Shard(0)] if len(mesh_shape) == 1 else [Shard(0), Shard(1)]
         if len(mesh_shape) == 2 and sizes is None:
             places = [Shard(0), Replicate()]
@@ -123,10 +123,10 @@ def _models_body(unet_source, backends):
     def body():
         import torch.nn as nn
         import torch.nn.functional as F
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard
 
         import shardlab
+        from shardlab import this_rank
 
         me = shardlab.this_rank()
         namespace = {"nn": nn, "F": F, "torch": torch}
@@ -144,7 +144,7 @@ def _models_body(unet_source, backends):
             cin = model[0].in_channels if name == "conv stack" else 1
             img = torch.randn(2, cin, 20, 12, dtype=torch.float64)
             if me.world_size == 4:  # 2-D mesh: H and W cut
-                mesh = init_device_mesh("cpu", (2, 2))
+                mesh = this_rank().mesh_for((2, 2))
                 places, sizes = [Shard(2), Shard(3)], [[12, 8], [4, 8]]
             else:
                 mesh, places, sizes = me.mesh, [Shard(2)], [[12, 8]]

@@ -49,11 +49,10 @@ def test_the_result_keeps_the_cut_dims_of_an_argument_like_it():
 # -- on the ranks ---------------------------------------------------------------------------
 def _batch_norm_body(mesh_shape, places):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
-
+        from shardlab import this_rank
         from shardlab.tensor import dispatch
 
-        mesh = init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh_for(mesh_shape)
         gen = torch.Generator().manual_seed(0)
         g = torch.randn(2, 3, 5, 4, dtype=torch.float64, generator=gen)
         w, b = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
@@ -139,11 +138,10 @@ def test_cut_tensors_still_take_the_usual_path(ranks_for):
 
 def _unpatched_cnn_body(mesh_shape, places):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
-
+        from shardlab import this_rank
         from shardlab.tensor import dispatch
 
-        mesh = init_device_mesh("cpu", mesh_shape)
+        mesh = this_rank().mesh_for(mesh_shape)
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),

@@ -187,9 +187,9 @@ def test_nested_inference_backward_and_nothing_left(ranks_for):
 
 def test_two_d_mesh_dims(ranks_for):
     def body():
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardlab import this_rank
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+        mesh = this_rank().mesh_for((2, 2), names=("dp", "sp"))
         with shardlab.trace(mesh=mesh) as t:
             dist.all_reduce(torch.ones(1), group=mesh.get_group("sp"))
             dist.all_reduce(torch.ones(2), group=mesh.get_group("dp"))
