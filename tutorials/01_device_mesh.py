@@ -46,6 +46,11 @@ ranks = shardlab.Ranks(WORLD)
 # lets each rank ask for its **coordinate** and for the sub-mesh along one named
 # dim: the ranks it talks to for that kind of parallelism. Collectives on a
 # sub-mesh only involve the ranks of that group.
+#
+# Each mesh of two dims made this way opens a process group per dim, which lives
+# as long as the ranks do: run the cell again and the ranks hold two sets. In a
+# cell you rerun, `shardlab.this_rank().mesh_for((rows, cols), names=("dp", "tp"))`
+# makes the mesh once and returns the same one after that.
 
 # %%
 def make_meshes(rows):
