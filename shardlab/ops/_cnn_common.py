@@ -10,7 +10,8 @@
   describe (adaptive pooling, interpolation);
 * :class:`AllReduceSum`: a differentiable all-reduce (backward: all-reduce of the grad);
 * :func:`summed_grads`: replicated weights whose gradients are summed over the ranks
-  holding different data (one fused all-reduce in backward);
+  holding different data (parameters: with all the others at the end of the backward,
+  :mod:`shardlab.tensor.grad_sum`; else one fused all-reduce in this op's backward);
 * :func:`rewrap`: the local result back into a ShardTensor.
 """
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Shard
 
 from shardlab.layout._windows import blocks_of
-from shardlab.tensor import collectives, traced
+from shardlab.tensor import collectives, grad_sum, traced
 from shardlab.tensor._once import first_order
 from shardlab.tensor.recompute import fenced
 from shardlab.trace import label
@@ -261,6 +262,7 @@ class _SumGrads(torch.autograd.Function):
         ctx.groups, ctx.cause = groups, cause
         ctx.shapes = [t.shape for t in tensors]
         ctx.dtype, ctx.device = tensors[0].dtype, tensors[0].device
+        ctx.deferrable = [grad_sum.deferrable_input(t) for t in tensors]
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
@@ -270,7 +272,16 @@ class _SumGrads(torch.autograd.Function):
             g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)
             for g, s in zip(grads, ctx.shapes)
         ]
-        return (None, None, *summed_together(grads, ctx.groups, ctx.cause))
+        out = [None] * len(grads)  # parameters' sums wait for the end of the backward
+        now = [
+            i
+            for i, g in enumerate(grads)
+            if not (ctx.deferrable[i] and grad_sum.keep(ctx, i, g, ctx.groups))
+        ]
+        if now:
+            for i, g in zip(now, summed_together([grads[i] for i in now], ctx.groups, ctx.cause)):
+                out[i] = g
+        return (None, None, *out)
 
 
 def summed_together(tensors, groups, cause) -> list:
@@ -282,7 +293,9 @@ def summed_together(tensors, groups, cause) -> list:
 
 def summed_grads(tensors, input, cause):
     """Replicated weights used on this rank's block: their gradients are summed over the
-    mesh dims sharding the input (plain tensors: one fused all-reduce in backward)."""
+    mesh dims sharding the input (plain tensors: parameters with all the others at the end
+    of the backward, :mod:`shardlab.tensor.grad_sum`; the rest by one fused all-reduce
+    in this op's backward)."""
     from shardlab.ops.conv import replicated_param
     from shardlab.tensor import ShardTensor
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlab.ops._cnn_common import _all_reduce, summed_together
+from shardlab.tensor import grad_sum
 from shardlab.tensor._once import first_order
 from shardlab.tensor.recompute import fenced, kept
 
@@ -122,8 +123,10 @@ class RowsNorm(torch.autograd.Function):
         forward   y, mean, rstd = torch's native_layer_norm on this rank's block
         backward  the incoming gradient on the output's blocks; torch's
                   native_layer_norm_backward on the block: dx (this rank's), dw, db
-                  (this rank's rows) -> one all_reduce of [dw, db] over ``groups``
-                  (the mesh dims cutting the other dims)     "layer_norm.params backward"
+                  (this rank's rows) -> summed over ``groups`` (the mesh dims
+                  cutting the other dims): parameters at the end of the backward
+                  with all the others ("params backward", :mod:`~shardlab.tensor.grad_sum`),
+                  else one all_reduce of [dw, db] here  "layer_norm.params backward"
 
     No forward communication; none at all when ``groups`` is empty (one rank)."""
 
@@ -135,6 +138,7 @@ class RowsNorm(torch.autograd.Function):
         y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
         ctx.to_save = (x, weight, bias, mean, rstd)
         ctx.shape, ctx.groups = shape, groups
+        ctx.deferrable = [grad_sum.deferrable_input(t) for t in (weight, bias)]
         ctx.mesh, ctx.layout = input.device_mesh, input._layout
         return ShardTensor._wrap(y, ctx.mesh, ctx.layout)
 
@@ -151,7 +155,14 @@ class RowsNorm(torch.autograd.Function):
         )
         params = [d for d in (dw, db) if d is not None]  # (asked for: w, b given)
         if ctx.groups and params:  # summed over the ranks holding the other rows
-            it = iter(summed_together(params, ctx.groups, "layer_norm.params"))
-            dw, db = (None if d is None else next(it) for d in (dw, db))
+            later = [  # parameters' sums wait for the end of the backward
+                d is not None and ctx.deferrable[i] and grad_sum.keep(ctx, edge, d, ctx.groups)
+                for i, (d, edge) in enumerate(zip((dw, db), (1, 1 + (w is not None))))
+            ]
+            dw, db = (None if k else d for d, k in zip((dw, db), later))
+            params = [d for d in (dw, db) if d is not None]
+            if params:
+                it = iter(summed_together(params, ctx.groups, "layer_norm.params"))
+                dw, db = (None if d is None else next(it) for d in (dw, db))
         dx = None if dx is None else ShardTensor._wrap(dx, ctx.mesh, ctx.layout)
         return dx, dw, db, None, None, None

@@ -10,8 +10,11 @@ on every rank)::
 1. the plain ``F.linear`` on this rank's block             (*, T_local, out_features)
 2. the result laid out like the input, ``out_features`` whole on every rank
 3. backward: torch's own linear backward on the block; the weight and bias gradients
-   (this rank's rows' share) summed over the mesh dims cutting the input by ONE fused
-   all-reduce ("linear.params backward"), none on a mesh of one rank
+   (this rank's rows' share) summed over the mesh dims cutting the input: parameters
+   join every other parameter's share in ONE all-reduce at the end of the backward
+   ("params backward", :mod:`shardlab.tensor.grad_sum`); where that sum cannot wait
+   (a hook on them, ``torch.autograd.grad``, DDP) one fused all-reduce of the two here
+   ("linear.params backward"); none on a mesh of one rank
 
 One autograd node and torch's kernels for what the aten path does in about eight
 dispatched ops (view, t, mm, _unsafe_view and their backward), each deciding layouts.

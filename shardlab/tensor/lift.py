@@ -3,7 +3,9 @@ used with a ShardTensor becomes a Replicate ShardTensor *differentiably*, so its
 stays a plain tensor holding the full gradient, as on one device::
 
     W (plain, every rank)  --lift-->  W as Replicate()  --op with x (Shard)-->  y
-    W.grad (plain)         <--------  grad summed over the ranks (one all-reduce)
+    W.grad (plain)         <--------  grad summed over the ranks (one all-reduce, with the
+                                      other parameters' at the end of the backward:
+                                      :mod:`shardlab.tensor.grad_sum`)
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.layout import ShardLayout
-from shardlab.tensor import submesh
+from shardlab.tensor import grad_sum, submesh
 from shardlab.tensor._autograd import local_of
 from shardlab.tensor._checks import _check_device
 from shardlab.tensor.api import _SCALARS, ShardTensor
@@ -105,10 +107,13 @@ class _Lift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, mesh, layout):
         ctx.mesh, ctx.sharding = mesh, layout
+        ctx.deferrable = grad_sum.deferrable_input(tensor)
         return ShardTensor._wrap(tensor.view_as(tensor), mesh, layout, stride=tensor.stride())
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.deferrable and grad_sum.take(ctx, grad, ctx.mesh):
+            return None, None, None  # summed with the others at the end of the backward
         return local_of(grad, ctx.sharding, ctx.mesh), None, None
 
 

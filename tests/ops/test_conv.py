@@ -243,8 +243,9 @@ def test_named_cases_and_exact_bytes(ranks_for, case):
             with shardlab.trace() as t:
                 y = conv(st)
                 y.full_tensor().sum().backward()
-        # the weight's and bias's gradients: one fused all-reduce of both
-        sums = t.filter(label="conv1d.params backward")
+        # the weight's and bias's gradients: one all-reduce of both, at the end of the
+        # backward (shardlab.tensor.grad_sum)
+        sums = t.filter(label="params backward")
         param_bytes = sum(p.numel() for p in conv.parameters()) * 8
         pads = (padding, padding) if isinstance(padding, int) else (1, 2)
         plan = conv_plan(sizes, k, s, d, pads)

@@ -1,5 +1,5 @@
 """Sharded ``F.linear`` (``shardlab/ops/linear.py``) against single-device torch: forward,
-the input, weight and bias gradients, the one fused all-reduce of the parameter
+the input, weight and bias gradients, the one all-reduce of the parameter
 gradients, and the cases left to the aten rules."""
 
 import random
@@ -74,7 +74,7 @@ def _sweep(mesh_shape, cases, seed):
                     y.backward(distribute(gy, mesh, places, sizes))
             cut = any(p.is_shard() and n > 1 for p, n in zip(places, mesh_shape))
             n_params = fout * shape[-1] + (fout if bias else 0)
-            expected = [("linear.params backward", "all_reduce", n_params * 8)] if cut else []
+            expected = [("params backward", "all_reduce", n_params * 8)] if cut else []
             # a 2-D mesh with both dims cutting: one all-reduce over the world's group
             labels = [(e.label, e.kind, e.bytes) for e in bwd.events]
             out.append(

@@ -151,7 +151,7 @@ def test_layer_norm_over_unsharded_dims_is_local(ranks_for):
 
     for counts, labels, ok, grads in ranks_for(2).run(body):
         assert counts == {} and ok and grads
-        assert labels == [("layer_norm.params backward", "all_reduce", 14 * 8)], labels
+        assert labels == [("params backward", "all_reduce", 14 * 8)], labels
 
 
 def test_errors_on_every_rank(ranks_for):
