@@ -97,7 +97,8 @@ ex.plot()
 #
 # Now a `transformers` Llama, its tokens cut along the sequence. The attention layers
 # carry the ring (K/V messages), the loss its one all-reduce, and the replicated weights'
-# gradients their all-reduces in backward.
+# gradients one all-reduce for all of them when the backward ends (its own row,
+# `(parameters' gradients)`).
 
 
 # %%

@@ -39,7 +39,7 @@ from shardlab.trace import label
 
 __all__ = ["deferrable_input", "keep", "take"]
 
-CAUSE = "params"  # traced as "params backward"
+LABEL = "params backward"  # the tracer's label of the one all-reduce
 _PENDING: dict = {}  # graph task id -> [(order, W, partial block, process groups)]
 _LOCK = threading.Lock()  # device threads run backward nodes
 
@@ -146,7 +146,7 @@ def _sum(task) -> None:
     for bucket in buckets.values():
         entries = list(bucket.values())
         flat = torch.cat([p.reshape(-1) for _, p, _ in entries])  # 1.
-        with label(CAUSE, "backward"):
+        with label(LABEL):
             for group in entries[0][2]:  # 2.
                 collectives.all_reduce_(flat, dist.ReduceOp.SUM, group)
         offset = 0

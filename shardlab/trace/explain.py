@@ -20,7 +20,8 @@ How it attributes (no change to the model, hooks removed on exit):
    as they were made: when the outermost module returns, a pre-hook goes on the first
    node of each run (and on the inputs' nodes, which belong to no module); it names
    the owner until the next one, so a gradient's halo or all-reduce lands on the
-   module whose forward caused it;
+   module whose forward caused it; the one all-reduce of the parameters' gradients
+   after the last node (:mod:`shardlab.tensor.grad_sum`) has a row of its own;
 3. time: between a module's hooks (forward, inclusive of its children) and between node
    pre-hooks (backward); memory: the peak while the module ran above what was live when
    it began (the CUDA allocator; on CPU, live tensor bytes counted by a dispatch mode);
@@ -38,6 +39,8 @@ import torch
 from shardlab.trace.explanation import Explanation, ModuleRecord
 
 __all__ = ["Explanation", "ModuleRecord", "explain"]
+
+_ALL_PARAMS = "(parameters' gradients)"  # shardlab.tensor.grad_sum's one all-reduce
 
 
 def _snapshot(tensors) -> list:
@@ -248,6 +251,8 @@ class Explainer:
         self._trace.__exit__(*exc)
         if exc[0] is not None:
             return False
+        from shardlab.tensor import grad_sum
+
         owner, marks = "", iter(self.marks + [(len(self.t.events) + 1, "")])
         nxt = next(marks)
         for i, e in enumerate(self.t.events):
@@ -255,12 +260,15 @@ class Explainer:
                 owner = nxt[1]
                 nxt = next(marks)
             key = (owner[5:], "backward") if owner.startswith("back:") else (owner, "forward")
+            if e.label == grad_sum.LABEL:  # every parameter's, once the backward has ended
+                key = (_ALL_PARAMS, "backward")
             rec = self.records.get(key)
-            if rec is None:  # outside every module (the loss, the optimizer)
+            if rec is None:  # outside every module (the loss, the optimizer; the sum)
+                where = _ALL_PARAMS if key[0] == _ALL_PARAMS else "(outside modules)"
                 rec = self.records.setdefault(
-                    ("(outside modules)", key[1]),
+                    (where, key[1]),
                     ModuleRecord(
-                        "(outside modules)",
+                        where,
                         "",
                         key[1],
                         10**6,

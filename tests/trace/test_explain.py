@@ -267,3 +267,31 @@ def test_outputs_nobody_keeps_are_left_out(ranks_for):
 
     for rows in ranks_for(2).run(body):
         assert ("attn", "forward") in rows and ("attn", "backward") in rows, rows
+
+
+def test_the_parameters_gradient_sum_has_a_row_of_its_own(ranks_for):
+    """The one all-reduce of every parameter's gradient runs after the last node of the
+    backward (``shardlab.tensor.grad_sum``): a row of its own, not the last module's."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from shardlab import distribute, this_rank
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        x = torch.randn(7, 4)
+        with shardlab.patched():
+            ex = shardlab.explain(model, distribute(x, this_rank().mesh, [Shard(0)], [4, 3]))
+        return {
+            (r.name, r.phase): [(e[0], e[1], e[4]) for e in r.events]
+            for r in ex.rows(this_rank().rank)
+            if r.events
+        }
+
+    params = (4 * 5 + 5 + 5 * 3 + 3) * 4  # float32
+    for rows in ranks_for(2).run(body):
+        assert rows == {
+            ("(parameters' gradients)", "backward"): [("all_reduce", params, "params backward")]
+        }, rows
