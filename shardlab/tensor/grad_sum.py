@@ -24,6 +24,7 @@ see it without this sum: torch itself does not promise when it is accumulated.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -122,11 +123,8 @@ def _accumulates(node) -> bool:
 
 
 def _in_compiled_autograd() -> bool:
-    try:
-        from torch._dynamo import compiled_autograd
-    except ImportError:  # pragma: no cover
-        return False
-    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # (not imported:
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))  # not on)
 
 
 @torch.no_grad()
