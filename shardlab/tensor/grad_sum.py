@@ -73,9 +73,9 @@ def take(ctx, grad, mesh) -> bool:
             dims.append(m)
         elif not isinstance(p, Replicate):
             return False
-    from shardlab.ops._cnn_common import groups_over
-
-    groups = groups_over(mesh, dims)  # the world's group when the dims span it
+    # one mesh dim after the other, as a redistribute sums them (each message then names
+    # its mesh axis in a trace)
+    groups = [mesh.get_group(m) for m in dims if mesh.shape[m] > 1]
     return bool(groups) and keep(ctx, 0, grad._local_tensor, groups)
 
 
