@@ -11,7 +11,7 @@
 * :class:`AllReduceSum`: a differentiable all-reduce (backward: all-reduce of the grad);
 * :func:`summed_grads`: replicated weights whose gradients are summed over the ranks
   holding different data (parameters: with all the others at the end of the backward,
-  :mod:`shardlab.tensor.grad_sum`; else one fused all-reduce in this op's backward);
+  ``shardlab.tensor.grad_sum``; else one fused all-reduce in this op's backward);
 * :func:`rewrap`: the local result back into a ShardTensor.
 """
 
@@ -294,7 +294,7 @@ def summed_together(tensors, groups, cause) -> list:
 def summed_grads(tensors, input, cause):
     """Replicated weights used on this rank's block: their gradients are summed over the
     mesh dims sharding the input (plain tensors: parameters with all the others at the end
-    of the backward, :mod:`shardlab.tensor.grad_sum`; the rest by one fused all-reduce
+    of the backward, ``shardlab.tensor.grad_sum``; the rest by one fused all-reduce
     in this op's backward)."""
     from shardlab.ops.conv import replicated_param
     from shardlab.tensor import ShardTensor

@@ -125,7 +125,7 @@ class RowsNorm(torch.autograd.Function):
                   native_layer_norm_backward on the block: dx (this rank's), dw, db
                   (this rank's rows) -> summed over ``groups`` (the mesh dims
                   cutting the other dims): parameters at the end of the backward
-                  with all the others ("params backward", :mod:`~shardlab.tensor.grad_sum`),
+                  with all the others ("params backward", ``shardlab.tensor.grad_sum``),
                   else one all_reduce of [dw, db] here  "layer_norm.params backward"
 
     No forward communication; none at all when ``groups`` is empty (one rank)."""

@@ -12,7 +12,7 @@ on every rank)::
 3. backward: torch's own linear backward on the block; the weight and bias gradients
    (this rank's rows' share) summed over the mesh dims cutting the input: parameters
    join every other parameter's share in ONE all-reduce at the end of the backward
-   ("params backward", :mod:`shardlab.tensor.grad_sum`); where that sum cannot wait
+   ("params backward", ``shardlab.tensor.grad_sum``); where that sum cannot wait
    (a hook on them, ``torch.autograd.grad``, DDP) one fused all-reduce of the two here
    ("linear.params backward"); none on a mesh of one rank
 

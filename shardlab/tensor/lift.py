@@ -5,7 +5,7 @@ stays a plain tensor holding the full gradient, as on one device::
     W (plain, every rank)  --lift-->  W as Replicate()  --op with x (Shard)-->  y
     W.grad (plain)         <--------  grad summed over the ranks (one all-reduce, with the
                                       other parameters' at the end of the backward:
-                                      :mod:`shardlab.tensor.grad_sum`)
+                                      ``shardlab.tensor.grad_sum``)
 """
 
 from __future__ import annotations

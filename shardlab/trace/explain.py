@@ -21,7 +21,7 @@ How it attributes (no change to the model, hooks removed on exit):
    node of each run (and on the inputs' nodes, which belong to no module); it names
    the owner until the next one, so a gradient's halo or all-reduce lands on the
    module whose forward caused it; the one all-reduce of the parameters' gradients
-   after the last node (:mod:`shardlab.tensor.grad_sum`) has a row of its own;
+   after the last node (``shardlab.tensor.grad_sum``) has a row of its own;
 3. time: between a module's hooks (forward, inclusive of its children) and between node
    pre-hooks (backward); memory: the peak while the module ran above what was live when
    it began (the CUDA allocator; on CPU, live tensor bytes counted by a dispatch mode);
