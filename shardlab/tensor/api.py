@@ -148,6 +148,15 @@ class ShardTensor(DTensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        layout, local = traced.layout_of(flatten_spec), inner_tensors["_local_tensor"]
+        if (
+            layout is not None
+            and type(local) is torch.Tensor  # a compiled graph's output, a real block
+            and tuple(outer_size) == layout.global_shape
+        ):  # the spec kept per layout, as every op makes one (DTensor's: a new spec each)
+            return ShardTensor._wrap(
+                local, inner_tensors["device_mesh"], layout, flatten_spec[3], outer_stride
+            )
         d = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
         out = ShardTensor(d._local_tensor, d._spec, requires_grad=d.requires_grad)
         out._layout = traced.layout_of(flatten_spec)

@@ -669,3 +669,42 @@ def test_several_ranks_run_sharded_ops_eagerly(ranks_for):
         return "shardlab: a ShardTensor op" in reasons, torch.allclose(got, (x * 2).softmax(0))
 
     assert ranks_for(2).run(body) == [(True, True)] * 2
+
+
+@needs_traceable
+def test_unflatten_of_a_real_block_keeps_layout_strides_and_grad(ranks_for):
+    """What AOTAutograd does to each ShardTensor a compiled graph returns (its outputs,
+    its gradients): ``__tensor_unflatten__`` of a real block, on DTensor's flatten format.
+    The result is the ShardTensor that went in: the same layout (uneven sizes), global
+    shape and strides (a transposed one), dtype, requires_grad and block, and DTensor's
+    spec equal to the one DTensor's own unflatten builds."""
+
+    def body():
+        from torch.distributed.tensor import DTensor, Shard
+
+        import shardlab
+        from shardlab.tensor import ShardTensor
+
+        mesh = shardlab.this_rank().mesh
+        full = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        x = shardlab.distribute(full, mesh, [Shard(0)], [[4, 3]]).t()  # (5, 7), Shard(1)
+        bad = []
+        for requires_grad in (False, True):
+            st = x.detach().requires_grad_(requires_grad)
+            names, spec = st.__tensor_flatten__()
+            inner = {n: getattr(st, n) for n in names}
+            out = ShardTensor.__tensor_unflatten__(inner, spec, st.shape, st.stride())
+            theirs = DTensor.__tensor_unflatten__(inner, spec, st.shape, st.stride())
+            if type(out) is not ShardTensor or out._layout != st._layout:
+                bad.append(("layout", requires_grad))
+            if (out.shape, out.stride(), out.dtype) != (st.shape, st.stride(), st.dtype):
+                bad.append(("metadata", requires_grad))
+            if out.requires_grad is not requires_grad or out._spec != theirs._spec:
+                bad.append(("grad or spec", requires_grad))
+            if out._local_tensor.data_ptr() != st._local_tensor.data_ptr():
+                bad.append(("block", requires_grad))
+            if not torch.equal(out.full_tensor(), full.t()):
+                bad.append(("values", requires_grad))
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
