@@ -92,6 +92,9 @@ def _no_random(name: str, args, kwargs) -> bool:
     return name != "multi_head_attention_forward"
 
 
+_TRACED_CUT = {"linear"}
+
+
 def _traced_router(name: str, original):
     """What dynamo traces for the patched ``F.<name>`` (wrapt's C proxy it cannot): torch's
     own function for plain tensors, and for ShardTensors on a mesh of one rank where the
@@ -104,6 +107,8 @@ def _traced_router(name: str, original):
             return original(*args, **kwargs)
         if _one_rank(args, kwargs) and _no_random(name, args, kwargs):
             return original(*args, **kwargs)
+        if name in _TRACED_CUT and traced.TRACEABLE:  # torch's, on ShardTensors: traced
+            return original(*args, **kwargs)  # where it sends nothing (traced.check_ranks)
         return call(name, args, kwargs)
 
     return routed

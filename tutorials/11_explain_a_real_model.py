@@ -136,12 +136,13 @@ lm.plot()
 # %% [markdown]
 # ## What `torch.compile` does to a sharded model
 #
-# Cut over several ranks, dynamo compiles the plain-tensor code of a function and lets every
-# ShardTensor op run eagerly: each one is a *graph break*. A sharded op's layout, halos and
-# collectives are decided in Python from the shard sizes, so none of them sits inside a
-# compiled graph; they run between the graphs, exactly as uncompiled. A graph therefore never
-# holds shard sizes, and a call with other sizes can never reuse a graph built for the old
-# ones. `torch._dynamo.explain` shows the graphs and where they break:
+# Cut over several ranks, dynamo compiles what sends nothing: plain-tensor code, and
+# ShardTensor ops that each rank computes on its own block (element-wise ops, a `Linear` on
+# rows). Every message (a halo, an all-reduce) is a *graph break*: the op that sends it runs
+# eagerly, exactly as uncompiled, so no compiled graph holds a collective. The layout (shard
+# sizes) travels with each ShardTensor into the graph, and dynamo guards on it: a call with
+# other sizes compiles anew and never reuses a graph built for the old ones.
+# `torch._dynamo.explain` shows the graphs and where they break:
 
 
 # %%
@@ -174,24 +175,25 @@ def compile_a_step():
 
 (graphs, breaks), graph, kinds, same = ranks.run(compile_a_step)[0]
 assert same  # the compiled step equals the uncompiled one
-print(f"explain: {graphs} graph, {breaks} graph breaks")
+print(f"explain: {graphs} graphs, {breaks} graph breaks")
 print("the first graph:\n  " + "\n  ".join(graph))
 print(f"messages and collectives of the compiled step (between graphs): {kinds}")
 
 # %% [markdown]
-# The graph holds the plain-tensor code (`sigmoid`, `mean`, `* 2`). dynamo stops at the
-# convolution on the ShardTensor (a call shardlab marks as not to be traced) and runs the
-# rest of the function eagerly: the halo messages, `relu`, `*` and the exact global
-# `mean` with its all-reduce, as uncompiled. For a whole model the compiled step equals the eager
-# one and costs about the same: `python benchmarks/bench_compile.py` measures it on the
-# zoo's ResNet and Llama.
+# The first graph holds the plain-tensor code (`sigmoid`, `mean`, `* 2`). dynamo stops at
+# the convolution on the ShardTensor (its halos are messages), which runs eagerly. The next
+# graph holds `relu` and `* scale` on each rank's block. It stops at the exact global `mean`,
+# whose all-reduce runs eagerly too. For a whole model the compiled step equals the eager
+# one: `python benchmarks/bench_compile.py` measures both on the zoo's ResNet and Llama. On
+# 2 ranks the Llama step costs about 0.85x the eager one; ResNet's, with one op or two
+# between its messages, about 1x.
 #
 # On a mesh of **one** rank nothing is sent, and the whole step is traced: the ShardTensor
 # carries its layout into the graph (dynamo guards on it), the patched `F` entry points hand
 # dynamo torch's own function, and a model's forward and backward compile to one graph with
-# no break (the zoo's Llama 0.45x and ResNet 0.61x the eager step with inductor, on this
-# machine's CPU). Why several ranks still break at each op, the design and its limits:
-# the compile guide (`docs/guides/compile.md`).
+# no break (the zoo's Llama 0.37x and ResNet 0.55x the eager step with inductor, on this
+# machine's CPU). Where several ranks break, the design and its limits: the compile guide
+# (`docs/guides/compile.md`).
 
 # %%
 ranks.close()

@@ -144,6 +144,11 @@ class ShardTensor(DTensor):
     # -- torch.compile (shardlab.tensor.traced): torch's DTensor format --------
     def __tensor_flatten__(self):
         traced.prepare()  # dynamo (or AOTAutograd) is looking at a ShardTensor
+        node = _CURRENT_NODE()  # a compiled backward reading its gradient (a tangent):
+        if node is not None and type(node).__name__ == "CompiledFunctionBackward":
+            from shardlab.tensor import compiled_grads  # its parameters' partial gradients
+
+            compiled_grads.route(node)  # go to the end-of-backward sum
         return DTensor.__tensor_flatten__(self)
 
     @staticmethod
@@ -431,7 +436,12 @@ class ShardTensor(DTensor):
         kwargs = kwargs or {}
         if func in _BACKWARDS:  # with __torch_function__ on (recomputation), nothing lifted
             return _BACKWARDS[func](*args, **kwargs)
-        args, kwargs = _lift_trainable(args, kwargs)
+        if not (compiling and traced.TRACEABLE):
+            args, kwargs = _lift_trainable(args, kwargs)
+        elif func in _OWN_CALLS and traced.cut_by_dynamo(args, kwargs):  # (they send)
+            traced.graph_break(f"{func.__name__} on ShardTensors cut over several ranks")
+        # (traced: parameters taken as they are; their gradients are summed after the
+        # backward: shardlab.tensor.compiled_grads.route)
         if func in LOSSES or func is torch.nn.functional.cross_entropy:  # exact means
             from shardlab.ops.registry import device_type
             from shardlab.tensor.autocast import autocast_call
@@ -461,7 +471,9 @@ class ShardTensor(DTensor):
             if not traced.faked(args):  # an eager region under torch.compile
                 return _EAGER_TD[0](cls, func, types, args, kwargs)
         elif traced.COMPILED and torch.compiler.is_compiling():  # dynamo's fake blocks
-            traced.check_ranks(func, args, kwargs)
+            if traced.check_ranks(func, args, kwargs):  # cut over ranks: traced where
+                with traced.sends_break():  # nothing is sent
+                    return (_DISPATCH or _dispatch())[0](func, args, kwargs or _NO_KWARGS)
         if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
             return _normal_view(func, args, kwargs or _NO_KWARGS)
         return (_DISPATCH or _dispatch())[0](func, args, kwargs or _NO_KWARGS)  # checks stand-ins
@@ -501,6 +513,7 @@ def _set_data(func, types, args):
 
 
 _INFERENCE_MODE = torch.is_inference_mode_enabled
+_CURRENT_NODE = torch._C._current_autograd_node
 _GETTER = type(torch.Tensor.grad.__get__)  # a property of torch's tensors, read
 _NOT_LEARNT = nograd._NEVER
 _TOLIST = torch.Tensor.tolist

@@ -41,6 +41,16 @@ def is_traced(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
+def _sending(t) -> None:
+    """While dynamo traces (its fake blocks, not AOTAutograd's functional ones): a message
+    breaks the graph, and the op that sends it runs eagerly (``traced.check_ranks``)."""
+    if type(t) is not torch.Tensor:
+        from shardlab.tensor import traced
+
+        if traced.breaks_on_messages():
+            traced.graph_break("a message between ranks")
+
+
 def _name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
@@ -109,6 +119,7 @@ for _op in (_all_reduce, _all_gather, _exchange):
 # -- what shardlab calls -----------------------------------------------------------
 def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """``dist.all_reduce(t, op, group)`` (in place), traced as ``shardlab::all_reduce``."""
+    _sending(t)
     if not is_traced(t):
         dist.all_reduce(t, op, group=group)
         return t
@@ -117,6 +128,7 @@ def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tens
 
 def all_gather(out: list, t: torch.Tensor, group=None) -> list:
     """``dist.all_gather(out, t, group)``, traced as ``shardlab::all_gather``."""
+    _sending(t)
     if not is_traced(t):
         dist.all_gather(out, t, group=group)
         return out
@@ -131,6 +143,7 @@ def exchange(ops: list) -> bool:
     for real tensors: the caller posts them itself."""
     if not ops or not any(is_traced(op.tensor) for op in ops):
         return False
+    _sending(ops[0].tensor)
     sends = [op for op in ops if op.op is dist.isend]
     recvs = [op for op in ops if op.op is not dist.isend]
     got = torch.ops.shardlab.exchange(

@@ -14,11 +14,13 @@ passes here when something was compiled in this process (``traced.COMPILED``):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shardlab.tensor import traced
 
-__all__ = ["plain_gradients", "zero_gradients"]
+__all__ = ["plain_gradients", "route", "zero_gradients"]
 
 
 def zero_gradients(roots, mesh) -> tuple[list, list]:
@@ -36,6 +38,7 @@ def zero_gradients(roots, mesh) -> tuple[list, list]:
     for node in _nodes(roots):
         meta = getattr(getattr(node, "_forward_cls", None), "metadata", None)
         if meta is not None and hasattr(meta, "output_info"):
+            route(node)
             for j, shape, dtype, device in _sharded_outputs(node, meta):
                 edges.append(GradientEdge(node, j))
                 zeros.append(_zeros(shape, dtype, device, mesh))
@@ -84,5 +87,38 @@ def plain_gradients(roots) -> None:
     for node in _nodes(roots):
         var = getattr(node, "variable", None)
         if var is not None and not isinstance(var, DTensor) and isinstance(var.grad, DTensor):
-            if var.grad.device_mesh.size() == 1:
-                var.grad = var.grad.full_tensor()
+            var.grad = var.grad.full_tensor()  # (cut over ranks: a partial sum, summed)
+
+
+def route(node) -> None:
+    """A compiled function's backward ``node`` gives its plain leaves (parameters used
+    next to ShardTensors cut over several ranks, taken into the graph as they are) their
+    gradients as ShardTensors, a partial sum on each rank: a hook on ``node`` hands each
+    to :mod:`shardlab.tensor.grad_sum`, summed with the others at the end of the backward
+    (or sums it at once where that rule does not hold), so ``.grad`` is the plain full
+    gradient, as eagerly. Once per node."""
+    if getattr(node, "_shardlab_routed", False):
+        return
+    node._shardlab_routed = True
+    node.register_hook(functools.partial(_route_hook, node))
+
+
+def _route_hook(node, grad_inputs, grad_outputs):
+    from torch.distributed.tensor import DTensor, Partial
+
+    from shardlab.tensor import grad_sum
+    from shardlab.tensor.api import ShardTensor
+
+    out = None
+    for i, g in enumerate(grad_inputs):
+        if type(g) is not ShardTensor or g._spec.mesh.size() == 1:
+            continue
+        var = getattr(node.next_functions[i][0], "variable", None)
+        if isinstance(var, DTensor) or not any(type(p) is Partial for p in g.placements):
+            continue  # a ShardTensor input's gradient (a Partial one is a plain input's:
+        out = list(grad_inputs) if out is None else out  # traced.check_ranks)
+        if var is not None and grad_sum.take(node, g, g._spec.mesh, index=i):
+            out[i] = None  # a parameter's: summed with the others after the backward
+        else:
+            out[i] = g.full_tensor()  # summed now (a plain tensor made before the graph)
+    return None if out is None else tuple(out)

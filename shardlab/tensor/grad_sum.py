@@ -61,7 +61,7 @@ def deferrable_input(tensor) -> bool:
     return True
 
 
-def take(ctx, grad, mesh) -> bool:
+def take(ctx, grad, mesh, index: int = 0) -> bool:
     """In a lift's backward (input 0): keep ``grad`` (a ShardTensor, Partial sum over
     some mesh dims, Replicate over the rest) for the sum at the end of this backward, and
     say so; False (nothing kept) where the rule above does not hold."""
@@ -76,7 +76,7 @@ def take(ctx, grad, mesh) -> bool:
     # one mesh dim after the other, as a redistribute sums them (each message then names
     # its mesh axis in a trace)
     groups = [mesh.get_group(m) for m in dims if mesh.shape[m] > 1]
-    return bool(groups) and keep(ctx, 0, grad._local_tensor, groups)
+    return bool(groups) and keep(ctx, index, grad._local_tensor, groups)
 
 
 def keep(ctx, index: int, local: torch.Tensor, groups) -> bool:

@@ -5,8 +5,8 @@ What dynamo and AOTAutograd see::
     user code        x = conv(x)          y = x.relu() * w         loss = y.mean()
 
     mesh of 1 rank   [torch's conv, relu, mul, mean on the blocks: one graph, no break]
-    several ranks    conv (halos) | relu | mul (w lifted) | mean     each eagerly,
-                                ^ break ^        ^        ^          plain code compiled
+    several ranks    conv (halos) | [relu, mul (w as it is)] | mean (all-reduce)
+                                ^ break                   ^ break: a message
 
 * **The layout travels with the tensor.** DTensor's flatten format carries a
   :class:`Placements` (DTensor's placements, holding the :class:`ShardLayout`): the
@@ -17,12 +17,18 @@ What dynamo and AOTAutograd see::
   and leaves torch's ops on the blocks in the graph); the patched ``torch.nn.functional``
   entry points take torch's own function there (:mod:`shardlab.patch`); parameters are
   taken as they are (:func:`one_rank`). Nothing is sent, so nothing is in the way.
-* **Cut over several ranks, each ShardTensor op runs eagerly** (:func:`check_ranks`): a
-  graph break, as the patched entry points (halos, rings, exact means) and the
+* **Cut over several ranks, what sends nothing is traced; every message breaks the
+  graph** (:func:`check_ranks`, :class:`sends_break`): the op that would post it runs
+  eagerly, as do the patched entry points that send (halos, rings, exact means) and the
   public methods that read the layout (``to_local``, ``full_tensor``, ...: :func:`eager`).
-  Why not in the graph: see :func:`check_ranks`. Traced anyway (``aot_function``,
-  ``make_fx``), the collectives are graph nodes that send the same messages when the
-  graph runs (:mod:`shardlab.tensor.collectives`), never skipped.
+  Parameters are taken as they are (``F.linear`` too: torch's, on the ShardTensors);
+  their partial gradients leave the compiled backward and are summed with the others at
+  the end of the backward (``shardlab.tensor.compiled_grads.route``). No compiled graph,
+  forward or backward, holds a collective: with uneven shards the ranks' graphs differ,
+  and a message inside one, ordered against eager messages outside, could pair rank 0's
+  halo with rank 1's all-reduce (a hang). Traced anyway (``aot_function``, ``make_fx``),
+  the collectives are graph nodes that send the same messages when the graph runs
+  (:mod:`shardlab.tensor.collectives`), never skipped.
 """
 
 from __future__ import annotations
@@ -252,28 +258,50 @@ def _pools() -> dict:
 _POOLS = _pools()
 
 
-def check_ranks(func, args, kwargs) -> None:
-    """While dynamo traces (its fake blocks, not AOTAutograd's functional ones): a graph
-    break before an op on a ShardTensor cut over several ranks, which then runs eagerly.
-
-    Traced, its messages would sit in a compiled graph while others (the patched
-    ``torch.nn.functional`` calls, parameters lifted to ShardTensors) run eagerly
-    between graphs; with uneven shards the ranks' graphs differ, and so could the order
-    in which autograd runs the compiled and eager parts of the backward: rank 0 posting
-    a halo while rank 1 posts an all-reduce (a hang). On a mesh of one rank nothing is
-    sent, and every op stays in the graph."""
+def cut_by_dynamo(args, kwargs) -> bool:
+    """Some ShardTensor among the arguments holds one of dynamo's fake blocks and is on a
+    mesh of several ranks."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from shardlab.tensor.aten._common import tree_leaves
 
-    dynamo, symbolic = False, None  # dynamo's fake blocks; a symbolic int or float
-    for a in tree_leaves((args, kwargs)):
+    return any(
+        type(getattr(a, "_local_tensor", None)) is FakeTensor and a.device_mesh.size() != 1
+        for a in tree_leaves((args, kwargs))
+    )
+
+
+def check_ranks(func, args, kwargs) -> bool:
+    """While dynamo traces (its fake blocks, not AOTAutograd's functional ones): True
+    for an op on a ShardTensor cut over several ranks, which dynamo may put in its graph
+    if it sends nothing (the caller runs it under :class:`sends_break`); a graph break
+    first (the op runs eagerly) where its backward could need a sum over ranks
+    (:func:`_local_backward`), where it writes in place or draws random values (shardlab
+    draws them for the global tensor, the same on any mesh), and before torch 2.13
+    (:data:`TRACEABLE`). On a mesh of one rank nothing is sent: every op stays in the
+    graph (False)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from shardlab.tensor.aten._common import tree_leaves
+
+    dynamo, symbolic, cut = False, None, None  # dynamo's fake blocks; a symbolic scalar
+    leaves = tree_leaves((args, kwargs))
+    for a in leaves:
         if type(getattr(a, "_local_tensor", None)) is FakeTensor:
             if a.device_mesh.size() != 1:
-                graph_break(f"{func} on a ShardTensor cut over several ranks")
+                cut = a.device_mesh
             dynamo = True
         elif isinstance(a, SYMBOLIC):
             symbolic = a
+    if cut is not None:
+        if (
+            not TRACEABLE
+            or func._schema.is_mutable  # (written in place, a graph input came back
+            # from AOTAutograd's epilogue with a gradient's strides of another block)
+            or torch.Tag.nondeterministic_seeded in func.tags  # shardlab draws its own
+        ):  # random values for the global tensor, the same on any mesh
+            graph_break(f"{func} on a ShardTensor cut over several ranks")
+        _local_backward(func, leaves)
     if dynamo and _SAVES_MESH and torch.Tag.nondeterministic_seeded in func.tags:
         if _in_checkpointed_region():  # (attention's kernels are tagged so)
             graph_break(f"{func} in an activation-checkpointed region (torch < 2.15)")
@@ -282,6 +310,27 @@ def check_ranks(func, args, kwargs) -> None:
         # layout holds numbers, so the op runs eagerly (a scalar of an element-wise op
         # changes no shape: it stays in the graph)
         graph_break(f"{func} with a symbolic argument ({symbolic})")
+    return cut is not None
+
+
+_QUIET: list = []  # not empty while dynamo runs an op on cut blocks: a message breaks
+
+
+class sends_break:
+    """While dynamo runs an op on fake blocks cut over several ranks: a message that op
+    would post breaks the graph (:func:`shardlab.tensor.collectives.all_reduce_` ...), so
+    the op runs eagerly. Elsewhere (AOTAutograd's guesses of a gradient's layout, its
+    tracing) a message is a node of the graph."""
+
+    def __enter__(self):
+        _QUIET.append(True)
+
+    def __exit__(self, *exc):
+        _QUIET.pop()
+
+
+def breaks_on_messages() -> bool:
+    return bool(_QUIET)
 
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # dynamo's symbolic scalars
@@ -304,3 +353,30 @@ def _in_checkpointed_region() -> bool:
             return True
         tracer = getattr(tracer, "parent", None)
     return False
+
+
+def _local_backward(func, leaves) -> None:
+    """An op on ShardTensors cut over several ranks goes into dynamo's graph only if its
+    backward sends nothing either (its forward's messages break the graph where they are
+    posted: :mod:`shardlab.tensor.collectives`): a graph break where a gradient would need
+    a sum over ranks inside the compiled backward. A plain leaf (a parameter) is fine: its
+    partial gradient leaves the compiled backward as it is and is summed with the others
+    at the end of the backward (``compiled_grads.route``); a plain tensor that is not a
+    leaf and requires grad, or a ShardTensor that requires grad and is whole (Replicate)
+    on a mesh dim where another argument is cut, is not."""
+    if not torch.is_grad_enabled():
+        return
+    from torch.distributed.tensor import Replicate
+
+    layouts = [a._layout for a in leaves if getattr(a, "_layout", None) is not None]
+    for a in leaves:
+        if not isinstance(a, torch.Tensor) or not a.requires_grad:
+            continue
+        lay = getattr(a, "_layout", None)
+        if lay is None:
+            continue
+        for m, p in enumerate(lay.placements):
+            if isinstance(p, Replicate) and any(
+                not isinstance(o.placements[m], Replicate) for o in layouts
+            ):
+                graph_break(f"{func}: a gradient summed over mesh dim {m} in the backward")

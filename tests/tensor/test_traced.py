@@ -238,7 +238,8 @@ def test_transformers_models_compile_exactly(ranks_for):
 
             # one device on rank 0, on a copy: the ranks' BatchNorm buffers must stay alike
             one = step(copy.deepcopy(model), False) if dist.get_rank() == 0 else None
-            for backend in ("aot_eager", "inductor"):
+            targets = []  # what aot_eager's forward and backward graphs hold
+            for backend in (_recording_backend(targets), "inductor"):
                 torch._dynamo.reset()
                 with shardlab.patched():
                     eager = step(model, True)
@@ -257,6 +258,12 @@ def test_transformers_models_compile_exactly(ranks_for):
                             d += [(logits - one[0]).abs().max().item()]
                             d += [max((a - b).abs().max().item() for a, b in zip(grads, one[1]))]
                         bad.append((name, backend, d))
+            # cut over ranks, the graphs hold what sends nothing (no collective)
+            if any(t.startswith("shardlab.") for t in targets):
+                bad.append((name, "a collective in a compiled graph"))
+            traced = _traceable() and mesh.size() > 1  # (torch 2.11: every op eagerly)
+            if traced and name == "llama" and not any("mm" in t for t in targets):
+                bad.append((name, "no matmul traced"))
         return bad
 
     assert ranks_for(2).run(body) == [[], []]
@@ -647,9 +654,102 @@ def test_two_outputs_and_a_backward_through_one(ranks_for):
     assert ranks_for(1).run(body) == [True]
 
 
-def test_several_ranks_run_sharded_ops_eagerly(ranks_for):
-    """On two ranks each ShardTensor op breaks the graph (``traced.check_ranks``), the
-    plain code between them is compiled, and the values are right."""
+def _recording_backend(targets):
+    """aot_eager whose forward and backward graphs' node targets land in ``targets``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
+def _cut_linear_body(world_sizes, grads_before):
+    """On ranks cut along rows (uneven): ``F.linear(x, W, b).relu() * 2`` compiled under
+    ``shardlab.patched()``, the parameters taken into the graph as they are."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(10, 6, dtype=torch.float64, generator=g)
+        w0 = torch.randn(4, 6, dtype=torch.float64, generator=g)
+        b0 = torch.randn(4, dtype=torch.float64, generator=g)
+        want_w, want_b = [w0.clone().requires_grad_(), b0.clone().requires_grad_()]
+        want_x = x.clone().requires_grad_()
+        ref = F.linear(want_x, want_w, want_b).relu() * 2
+        ref.sum().backward()
+        bad, targets, me = [], [], torch.distributed.get_rank()
+        for backend in (None, _recording_backend(targets), "inductor"):
+            torch._dynamo.reset()
+            counters.clear()
+            w, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())
+            if grads_before:
+                w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+            fn = lambda t, w=w, b=b: F.linear(t, w, b).relu() * 2  # noqa: E731
+            fn = fn if backend is None else torch.compile(fn, backend=backend)
+            leaf = x.clone().requires_grad_()
+            st = shardlab.distribute(leaf, mesh, [Shard(0)], [world_sizes])
+            with shardlab.patched(), shardlab.trace() as t:
+                y = fn(st)
+                y.sum().backward()
+            sent = [(e.label, e.kind, e.bytes) for e in t.events if e.rank == me]
+            if backend is None:
+                eager = sent
+                continue
+            extra = 1 if grads_before else 0
+            if not torch.allclose(y.full_tensor(), ref):
+                bad.append("values")
+            if type(w.grad) is not torch.Tensor or type(b.grad) is not torch.Tensor:
+                bad.append(("plain gradients", type(w.grad).__name__))
+            elif not (
+                torch.allclose(w.grad, want_w.grad + extra)
+                and torch.allclose(b.grad, want_b.grad + extra)
+                and torch.allclose(leaf.grad, want_x.grad)
+            ):
+                bad.append("gradients")
+            graphs = counters["stats"]["unique_graphs"]
+            breaks = sum(counters["graph_break"].values())
+            if (graphs, breaks) != (1, 0):
+                bad.append(("graphs, breaks", graphs, breaks))
+            # the eager step's messages: one all-reduce of both parameters' gradients
+            params = [m for m in sent if m[0] == "params backward"]
+            if sent != eager or [m[1:] for m in params] != [("all_reduce", 8 * (24 + 4))]:
+                bad.append(("messages", sent, eager))
+        if any(target.startswith("shardlab.") for target in targets):
+            bad.append(("a collective in a compiled graph", targets))
+        if not any("mm" in target for target in targets):
+            bad.append(("the matmul is not in the graph", targets))
+        return bad
+
+    return body
+
+
+@needs_traceable
+@pytest.mark.parametrize("grads_before", [False, True], ids=["fresh", "accumulated"])
+def test_several_ranks_trace_what_sends_nothing(ranks_for, grads_before):
+    """Cut over several ranks (uneven rows), an op that sends nothing is traced: an
+    unchanged ``F.linear`` with a plain weight and bias, then ``relu`` and ``* 2``, make
+    one graph with no break. The parameters' partial gradients leave the compiled backward
+    and are summed with one all-reduce at the end of the backward (the same message as
+    eagerly), into a plain ``.grad`` (added to one set beforehand); values and gradients
+    equal one device, the messages the eager step's; no collective in the forward or
+    backward graph."""
+    assert ranks_for(2).run(_cut_linear_body([7, 3], grads_before)) == [[], []]
+
+
+@needs_traceable
+def test_several_ranks_break_where_a_message_is_sent(ranks_for):
+    """An op that would post a message (``softmax`` over the cut dim) breaks the graph and
+    runs eagerly; one over a whole dim (``softmax(1)``) is traced; values and the input's
+    gradient equal one device, and no graph holds a collective."""
 
     def body():
         from torch._dynamo.utils import counters
@@ -658,17 +758,29 @@ def test_several_ranks_run_sharded_ops_eagerly(ranks_for):
         import shardlab
 
         mesh = shardlab.this_rank().mesh
-        torch._dynamo.reset()
         x = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-        st = shardlab.distribute(x, mesh, [Shard(0)], [[7, 3]])
-        fn = lambda t: (t * 2).softmax(0)  # noqa: E731
+        want_x = x.clone().requires_grad_()
+        ref = (want_x * 2).softmax(1).exp().softmax(0)
+        (ref * ref).sum().backward()
+        torch._dynamo.reset()
         counters.clear()
-        got = torch.compile(fn, backend="aot_eager")(st).full_tensor()
-        # a break at the frame's first op skips the frame ("unimplemented"), else "graph_break"
+        targets = []
+        fn = torch.compile(
+            lambda t: (t * 2).softmax(1).exp().softmax(0), backend=_recording_backend(targets)
+        )
+        leaf = x.clone().requires_grad_()
+        got = fn(shardlab.distribute(leaf, mesh, [Shard(0)], [[7, 3]]))
+        (got * got).sum().backward()
         reasons = " ".join([*counters["graph_break"], *counters["unimplemented"]])
-        return "shardlab: a ShardTensor op" in reasons, torch.allclose(got, (x * 2).softmax(0))
+        return (
+            "a message between ranks" in reasons,
+            counters["stats"]["unique_graphs"] >= 1,
+            any("_softmax" in target for target in targets),  # softmax(1): traced
+            not any(target.startswith("shardlab.") for target in targets),
+            torch.allclose(got.full_tensor(), ref) and torch.allclose(leaf.grad, want_x.grad),
+        )
 
-    assert ranks_for(2).run(body) == [(True, True)] * 2
+    assert ranks_for(2).run(body) == [(True,) * 5] * 2
 
 
 @needs_traceable
