@@ -92,14 +92,15 @@ def _no_random(name: str, args, kwargs) -> bool:
     return name != "multi_head_attention_forward"
 
 
-_TRACED_CUT = {"linear"}
+_TRACED_CUT = {"linear"}  # on cut ShardTensors, torch's sends nothing for rows (traced)
 
 
 def _traced_router(name: str, original):
     """What dynamo traces for the patched ``F.<name>`` (wrapt's C proxy it cannot): torch's
     own function for plain tensors, and for ShardTensors on a mesh of one rank where the
-    call draws no dropout (aten ops on the blocks: in the graph); the sharded
-    implementation otherwise, eagerly (a graph break)."""
+    call draws no dropout (aten ops on the blocks: in the graph), and for ``F.linear`` on
+    any mesh (its aten ops are traced where they send nothing: ``traced.check_ranks``);
+    the sharded implementation otherwise, eagerly (a graph break)."""
     from shardlab.ops.registry import call
 
     def routed(*args, **kwargs):

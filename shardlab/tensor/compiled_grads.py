@@ -7,9 +7,13 @@ passes here when something was compiled in this process (``traced.COMPILED``):
    gradient (a model's logits next to its loss) would get plain zeros from autograd,
    which the compiled backward refuses (torch's issue #173123): such outputs get
    Replicate zeros as extra roots;
-2. after it, :func:`plain_gradients`: on meshes of one rank compiled code takes
-   parameters as they are (``traced.one_rank``), and their ``.grad`` can come back as
-   a ShardTensor: it is made the plain tensor it is eagerly.
+2. after it, :func:`plain_gradients`: compiled code takes parameters as they are
+   (``traced.one_rank``, ``traced.check_ranks``), and a ``.grad`` that came back as a
+   ShardTensor is made the plain tensor it is eagerly.
+
+Any backward, whatever its root: :func:`route`, set when a compiled backward node reads a
+ShardTensor gradient (``ShardTensor.__tensor_flatten__``), sends the partial gradients of
+the plain parameters it took to the end-of-backward sum (:mod:`shardlab.tensor.grad_sum`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ def zero_gradients(roots, mesh) -> tuple[list, list]:
     for node in _nodes(roots):
         meta = getattr(getattr(node, "_forward_cls", None), "metadata", None)
         if meta is not None and hasattr(meta, "output_info"):
-            route(node)
             for j, shape, dtype, device in _sharded_outputs(node, meta):
                 edges.append(GradientEdge(node, j))
                 zeros.append(_zeros(shape, dtype, device, mesh))
@@ -79,9 +82,9 @@ def _zeros(shape, dtype, device, mesh):
 
 
 def plain_gradients(roots) -> None:
-    """After a backward from ``roots`` through compiled code on meshes of one rank: a plain
-    tensor whose ``.grad`` came back as a ShardTensor (see :func:`one_rank`) gets it as a
-    plain tensor, as eagerly."""
+    """After a backward from ``roots`` through compiled code: a plain tensor whose
+    ``.grad`` came back as a ShardTensor (whole on one rank, a partial sum cut over
+    several) gets it as the plain full gradient, as eagerly."""
     from torch.distributed.tensor import DTensor
 
     for node in _nodes(roots):
@@ -114,9 +117,11 @@ def _route_hook(node, grad_inputs, grad_outputs):
         if type(g) is not ShardTensor or g._spec.mesh.size() == 1:
             continue
         var = getattr(node.next_functions[i][0], "variable", None)
+        # a Partial gradient is a plain input's (traced.check_ranks breaks the graph where
+        # a ShardTensor input's would be): others are left as they are
         if isinstance(var, DTensor) or not any(type(p) is Partial for p in g.placements):
-            continue  # a ShardTensor input's gradient (a Partial one is a plain input's:
-        out = list(grad_inputs) if out is None else out  # traced.check_ranks)
+            continue
+        out = list(grad_inputs) if out is None else out
         if var is not None and grad_sum.take(node, g, g._spec.mesh, index=i):
             out[i] = None  # a parameter's: summed with the others after the backward
         else:

@@ -62,7 +62,8 @@ def deferrable_input(tensor) -> bool:
 
 
 def take(ctx, grad, mesh, index: int = 0) -> bool:
-    """In a lift's backward (input 0): keep ``grad`` (a ShardTensor, Partial sum over
+    """In a lift's backward (or a compiled one's, for its tensor input number ``index``):
+    keep ``grad`` (a ShardTensor, Partial sum over
     some mesh dims, Replicate over the rest) for the sum at the end of this backward, and
     say so; False (nothing kept) where the rule above does not hold."""
     if type(grad) is not ShardTensor or grad._layout is None:

@@ -39,9 +39,10 @@ import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 
 __all__ = [
-    "COMPILED", "TRACEABLE", "Placements", "check", "check_ranks", "eager", "entry",
-    "faked", "graph_break", "layout_of", "one_rank", "outside_modes", "placements",
-    "pooled_mean", "prepare", "SYMBOLIC", "tracing",
+    "COMPILED", "TRACEABLE", "Placements", "breaks_on_messages", "check", "check_ranks",
+    "cut_by_dynamo", "eager", "entry", "faked", "graph_break", "layout_of", "one_rank",
+    "outside_modes", "placements", "pooled_mean", "prepare", "sends_break", "SYMBOLIC",
+    "tracing",
 ]  # fmt: skip
 
 tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is installed
@@ -284,16 +285,15 @@ def check_ranks(func, args, kwargs) -> bool:
 
     from shardlab.tensor.aten._common import tree_leaves
 
-    dynamo, symbolic, cut = False, None, None  # dynamo's fake blocks; a symbolic scalar
+    dynamo, cut, symbolic = False, False, None  # dynamo's fake blocks; a symbolic scalar
     leaves = tree_leaves((args, kwargs))
     for a in leaves:
         if type(getattr(a, "_local_tensor", None)) is FakeTensor:
-            if a.device_mesh.size() != 1:
-                cut = a.device_mesh
             dynamo = True
+            cut = cut or a.device_mesh.size() != 1
         elif isinstance(a, SYMBOLIC):
             symbolic = a
-    if cut is not None:
+    if cut:
         if (
             not TRACEABLE
             or func._schema.is_mutable  # (written in place, a graph input came back
@@ -310,7 +310,7 @@ def check_ranks(func, args, kwargs) -> bool:
         # layout holds numbers, so the op runs eagerly (a scalar of an element-wise op
         # changes no shape: it stays in the graph)
         graph_break(f"{func} with a symbolic argument ({symbolic})")
-    return cut is not None
+    return cut
 
 
 _QUIET: list = []  # not empty while dynamo runs an op on cut blocks: a message breaks
@@ -359,11 +359,10 @@ def _local_backward(func, leaves) -> None:
     """An op on ShardTensors cut over several ranks goes into dynamo's graph only if its
     backward sends nothing either (its forward's messages break the graph where they are
     posted: :mod:`shardlab.tensor.collectives`): a graph break where a gradient would need
-    a sum over ranks inside the compiled backward. A plain leaf (a parameter) is fine: its
-    partial gradient leaves the compiled backward as it is and is summed with the others
-    at the end of the backward (``compiled_grads.route``); a plain tensor that is not a
-    leaf and requires grad, or a ShardTensor that requires grad and is whole (Replicate)
-    on a mesh dim where another argument is cut, is not."""
+    a sum over ranks inside the compiled backward, a ShardTensor that requires grad and is
+    whole (Replicate) on a mesh dim where another argument is cut. A plain tensor is fine:
+    its partial gradient leaves the compiled backward as it is and is summed there
+    (``compiled_grads.route``: a parameter's with the others at the end of the backward)."""
     if not torch.is_grad_enabled():
         return
     from torch.distributed.tensor import Replicate
@@ -373,9 +372,7 @@ def _local_backward(func, leaves) -> None:
         if not isinstance(a, torch.Tensor) or not a.requires_grad:
             continue
         lay = getattr(a, "_layout", None)
-        if lay is None:
-            continue
-        for m, p in enumerate(lay.placements):
+        for m, p in enumerate(lay.placements if lay is not None else ()):
             if isinstance(p, Replicate) and any(
                 not isinstance(o.placements[m], Replicate) for o in layouts
             ):
