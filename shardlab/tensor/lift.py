@@ -38,7 +38,7 @@ def _lift_trainable(args, kwargs):
             elif a._spec.mesh is not mesh:
                 break
         elif t is torch.Tensor or t is torch.nn.Parameter:
-            if a.requires_grad and a.ndim > 0:
+            if a.requires_grad:
                 trained.append(i)
         elif t not in _SCALARS:
             break
@@ -75,7 +75,7 @@ def _lift_trainable(args, kwargs):
     def lift(a):
         if isinstance(a, DTensor):
             return submesh.embed(a, mesh) if sub else a
-        if isinstance(a, torch.Tensor) and a.requires_grad and a.ndim > 0:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
             return _replicated(a, mesh)
         return a
 

@@ -261,3 +261,42 @@ def test_the_generic_lift_keeps_its_sum_too(ranks_for):
     for err, sums in ranks_for(2).run(body):
         assert err < 1e-12
         assert sums == [("params backward", (4 + 16 + 4) * 8)], sums
+
+
+def test_a_zero_dim_parameter_gets_a_plain_gradient(ranks_for):
+    """A 0-dim tensor that requires grad next to a ShardTensor, a leaf (a learned
+    temperature) or not (``sigmoid(w).mean() * 2``), is lifted like any parameter: the
+    leaves' ``.grad`` are plain tensors equal to one device (before, ``.grad`` came back a
+    ShardTensor). The leaf's gradient joins the end-of-backward all-reduce; the non-leaf's
+    is summed where it is reached (no leaf to wait for)."""
+
+    def body():
+        mesh = this_rank().mesh
+        x = torch.randn(7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(1)
+        w = nn.Parameter(torch.randn(3, dtype=torch.float64, generator=g))
+        t = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+        def loss(x):
+            return (x * (w.sigmoid().mean() * 2) * t).pow(2).sum()
+
+        loss(x).backward()
+        want = [w.grad.clone(), t.grad.clone()]
+        w.grad, t.grad = None, None
+        with shardlab.trace() as tr:
+            loss(distribute(x, mesh, [Shard(0)], [[4, 3]])).full_tensor().backward()
+        got = [w.grad, t.grad]
+        me = torch.distributed.get_rank()
+        return (
+            [type(a) for a in got],
+            max((a - b).abs().max().item() for a, b in zip(got, want)),
+            [(e.label, e.kind, e.bytes) for e in tr.events if e.rank == me],
+        )
+
+    for types, err, sums in ranks_for(2).run(body):
+        assert types == [torch.Tensor, torch.Tensor] and err < 1e-12, (types, err)
+        assert sums == [
+            ("redistribute", "all_reduce", 8),  # the loss's full_tensor
+            ("redistribute backward", "all_reduce", 8),  # the non-leaf's gradient, at once
+            ("params backward", "all_reduce", 8),  # the leaf's, at the end of the backward
+        ], sums
