@@ -92,14 +92,24 @@ def _no_random(name: str, args, kwargs) -> bool:
     return name != "multi_head_attention_forward"
 
 
-_TRACED_CUT = {"linear"}  # on cut ShardTensors, torch's sends nothing for rows (traced)
+def _traced_cut(name: str, args, kwargs) -> bool:
+    """Calls whose torch function, run on cut ShardTensors, sends what the sharded one sends
+    and nothing else (so dynamo may trace it: ``traced.check_ranks`` breaks the graph at a
+    message): ``F.linear`` (on rows: nothing) and a constant ``F.pad`` (the edge ranks grow,
+    ``aten.constant_pad_nd``: nothing; the other modes read a neighbour's rows)."""
+    if name == "linear":
+        return True
+    if name == "pad":
+        return (args[2] if len(args) > 2 else kwargs.get("mode", "constant")) == "constant"
+    return False
 
 
 def _traced_router(name: str, original):
     """What dynamo traces for the patched ``F.<name>`` (wrapt's C proxy it cannot): torch's
     own function for plain tensors, and for ShardTensors on a mesh of one rank where the
     call draws no dropout (aten ops on the blocks: in the graph), and for ``F.linear`` on
-    any mesh (its aten ops are traced where they send nothing: ``traced.check_ranks``);
+    any mesh, as a constant ``F.pad`` (:func:`_traced_cut`: their aten ops are traced where
+    they send nothing, ``traced.check_ranks``);
     the sharded implementation otherwise, eagerly (a graph break)."""
     from shardlab.ops.registry import call
 
@@ -108,8 +118,8 @@ def _traced_router(name: str, original):
             return original(*args, **kwargs)
         if _one_rank(args, kwargs) and _no_random(name, args, kwargs):
             return original(*args, **kwargs)
-        if name in _TRACED_CUT and traced.TRACEABLE:  # torch's, on ShardTensors: traced
-            return original(*args, **kwargs)  # where it sends nothing (traced.check_ranks)
+        if traced.TRACEABLE and _traced_cut(name, args, kwargs):  # torch's, on ShardTensors:
+            return original(*args, **kwargs)  # traced where it sends nothing (check_ranks)
         return call(name, args, kwargs)
 
     return routed
