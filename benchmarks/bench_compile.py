@@ -38,7 +38,7 @@ from benchmarks._common import ranks_on, synchronize, where  # noqa: E402
 from tests.models import _zoo  # noqa: E402
 
 
-def body(name: str, backend: str, repeats: int):
+def body(name: str, backend: str, repeats: int, nested: bool = False):
     import torch.distributed as dist
     from torch._dynamo.utils import counters
     from torch.distributed.tensor import Shard
@@ -80,7 +80,7 @@ def body(name: str, backend: str, repeats: int):
         model.zero_grad(set_to_none=True)
         return took, out.logits.detach().full_tensor(), grads
 
-    with shardlab.patched():
+    with shardlab.patched(), torch._dynamo.config.patch(nested_graph_breaks=nested):
         _, logits_e, grads_e = step(model)  # warm-up (and the decision caches)
         warm = [step(model)[0] for _ in range(3)]
         compiled_model = torch.compile(model, backend=backend)
@@ -131,13 +131,19 @@ def main(argv=None):
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--nested-graph-breaks",
+        action="store_true",
+        help="dynamo resumes a nested frame after a graph break inside it "
+        "(torch._dynamo.config.nested_graph_breaks) instead of breaking every frame above",
+    )
     args = parser.parse_args(argv)
     rows, backends = [], []
     for world in [int(w) for w in args.ranks.split(",")]:
         with ranks_on(world, args.device, timeout=600) as ranks:
             backends.append(f"{world}: {ranks.backend}")
             for name in args.models.split(","):
-                res = ranks.run(body, name, args.backend, args.repeats)
+                res = ranks.run(body, name, args.backend, args.repeats, args.nested_graph_breaks)
                 r0 = res[0]
                 rows.append(
                     (

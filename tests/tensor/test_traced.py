@@ -239,9 +239,12 @@ def test_transformers_models_compile_exactly(ranks_for):
             # one device on rank 0, on a copy: the ranks' BatchNorm buffers must stay alike
             one = step(copy.deepcopy(model), False) if dist.get_rank() == 0 else None
             targets = []  # what aot_eager's forward and backward graphs hold
-            for backend in (_recording_backend(targets), "inductor"):
+            # dynamo's nested graph breaks (resume inside the frame that broke: fewer
+            # breaks, as the README advises) change where graphs end, never the values
+            runs = ((_recording_backend(targets), False), ("inductor", False), ("aot_eager", True))
+            for backend, nested in runs:
                 torch._dynamo.reset()
-                with shardlab.patched():
+                with shardlab.patched(), torch._dynamo.config.patch(nested_graph_breaks=nested):
                     eager = step(model, True)
                     compiled_model = torch.compile(model, backend=backend)
                     compiled = [step(compiled_model, True) for _ in range(2)]
@@ -257,7 +260,7 @@ def test_transformers_models_compile_exactly(ranks_for):
                         if one is not None:
                             d += [(logits - one[0]).abs().max().item()]
                             d += [max((a - b).abs().max().item() for a, b in zip(grads, one[1]))]
-                        bad.append((name, backend, d))
+                        bad.append((name, backend, nested, d))
             # cut over ranks, the graphs hold what sends nothing (no collective)
             if any(t.startswith("shardlab.") for t in targets):
                 bad.append((name, "a collective in a compiled graph"))
@@ -781,6 +784,53 @@ def test_several_ranks_break_where_a_message_is_sent(ranks_for):
         )
 
     assert ranks_for(2).run(body) == [(True,) * 5] * 2
+
+
+@needs_traceable
+@pytest.mark.parametrize("mode", ["constant", "reflect"])
+def test_several_ranks_pad_a_cut_dim(ranks_for, mode):
+    """The patched ``F.pad`` along a cut dim (sizes [4, 3]), compiled: a constant pad grows
+    the edge ranks and sends nothing, so it is traced (torch's ``constant_pad_nd`` in the
+    graph, no break: a language model's label shift); a reflect pad reads a neighbour's
+    rows, so it breaks the graph and runs eagerly. Values, layout and the input's gradient
+    equal the eager sharded call and one device either way."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        x = torch.randn(2, 7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+        def fn(t):
+            return F.pad(t * 2, (0, 0, 1, 2), mode=mode).relu()
+
+        want_x = x.clone().requires_grad_()
+        want = fn(want_x)
+        (want * want).sum().backward()
+        with shardlab.patched():
+            leaf = x.clone().requires_grad_()
+            eager = fn(shardlab.distribute(leaf.detach(), mesh, [Shard(1)], [[4, 3]]))
+            torch._dynamo.reset()
+            counters.clear()
+            targets = []
+            compiled = torch.compile(fn, backend=_recording_backend(targets))
+            got = compiled(shardlab.distribute(leaf, mesh, [Shard(1)], [[4, 3]]))
+            (got * got).sum().backward()
+        breaks = sum(counters["graph_break"].values())
+        return (
+            (breaks == 0) == (mode == "constant"),
+            any("constant_pad_nd" in target for target in targets) == (mode == "constant"),
+            not any(target.startswith("shardlab.") for target in targets),
+            got.sharding == eager.sharding,
+            torch.equal(got.full_tensor(), want.detach()),
+            torch.allclose(leaf.grad, want_x.grad),
+        )
+
+    assert ranks_for(2).run(body) == [(True,) * 6] * 2
 
 
 @needs_traceable
