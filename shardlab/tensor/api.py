@@ -229,10 +229,16 @@ class ShardTensor(DTensor):
             return f"ShardTensor(tracing stand-in, global {tuple(self.shape)}, {self.dtype})"
         from shardlab.layout import format_sizes
 
-        places = ", ".join(
-            format_sizes(p, lay.sizes_along(p.dim) if isinstance(p, Shard) else None, m)
-            for m, p in enumerate(lay.placements)
-        )
+        def shown(m, p):
+            if not isinstance(p, Shard):
+                return format_sizes(p, None, m)
+            if lay.is_block(p.dim):
+                return format_sizes(p, lay.sizes_along(p.dim), m)
+            entry = lay.sizes[m]  # a strided dim (a flattened (B, S) cut along S)
+            text = format_sizes(p, entry[0] if len(entry) == 1 else entry, m)
+            return f"{text} (strided: {lay.describe_dim(p.dim)})"
+
+        places = ", ".join(shown(m, p) for m, p in enumerate(lay.placements))
         coord = self.device_mesh.get_coordinate()
         where = f"rank {dist.get_rank()}" if dist.is_initialized() else "here"
         grad = ", requires_grad=True" if self.requires_grad else ""

@@ -468,3 +468,24 @@ def test_a_0d_shard_tensor_formats_its_global_value(ranks_for):
         assert got[:3] == [f"{mean:.4f}", f"{1.5:>8.3f}", f"{mean.item():e}"], got
         assert got[3] is not None and "unsupported format string" in got[3], got
         assert got[4] is True, got
+
+
+def test_repr_of_a_strided_dim(ranks_for):
+    """A (B, S) tensor cut along S, flattened to (B*S,) (a masked LM's loss input): the
+    repr names the sizes and how the flat dim is strided (it raised ValueError before,
+    also inside dynamo's error messages)."""
+
+    def body():
+        from shardlab import distribute, this_rank
+
+        mesh = this_rank().mesh
+        x = distribute(torch.arange(26.0).view(2, 13), mesh, [Shard(1)], [[8, 5]])
+        return repr(x.view(-1)), repr(x)
+
+    for rank, (flat, whole) in enumerate(ranks_for(2).run(body)):
+        assert flat == (
+            "ShardTensor(global (26,), float32, mesh (2,), [Shard(0) sizes [8, 5] on mesh "
+            "dim 0 (strided: atoms (2 x 13), atom 1 cut by mesh dim 0)], local "
+            f"({2 * [8, 5][rank]},) on rank {rank} at ({rank},))"
+        ), flat
+        assert "Shard(1) sizes [8, 5] on mesh dim 0" in whole, whole
