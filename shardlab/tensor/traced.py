@@ -277,10 +277,10 @@ def check_ranks(func, args, kwargs) -> bool:
     for an op on a ShardTensor cut over several ranks, which dynamo may put in its graph
     if it sends nothing (the caller runs it under :class:`sends_break`); a graph break
     first (the op runs eagerly) where its backward could need a sum over ranks
-    (:func:`_local_backward`), where it writes in place or draws random values (shardlab
-    draws them for the global tensor, the same on any mesh), and before torch 2.13
-    (:data:`TRACEABLE`). On a mesh of one rank nothing is sent: every op stays in the
-    graph (False)."""
+    (:func:`_local_backward`) or a move (:func:`_strided_slice`), where it writes in
+    place or draws random values (shardlab draws them for the global tensor, the same on
+    any mesh), and before torch 2.13 (:data:`TRACEABLE`). On a mesh of one rank nothing is
+    sent: every op stays in the graph (False)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from shardlab.tensor.aten._common import tree_leaves
@@ -302,6 +302,7 @@ def check_ranks(func, args, kwargs) -> bool:
         ):  # random values for the global tensor, the same on any mesh
             graph_break(f"{func} on a ShardTensor cut over several ranks")
         _local_backward(func, leaves)
+        _strided_slice(func, args)
     if dynamo and _SAVES_MESH and torch.Tag.nondeterministic_seeded in func.tags:
         if _in_checkpointed_region():  # (attention's kernels are tagged so)
             graph_break(f"{func} in an activation-checkpointed region (torch < 2.15)")
@@ -353,6 +354,27 @@ def _in_checkpointed_region() -> bool:
             return True
         tracer = getattr(tracer, "parent", None)
     return False
+
+
+def _strided_slice(func, args) -> None:
+    """A slice with a step along a cut dim (Swin's patch merging, ``x[:, 0::2]`` and
+    ``x[:, 1::2]``) sends nothing, but its backward puts each rank's rows back between
+    other bounds than the input's: the gradients of two such slices differ in layout, and
+    summing them would move rows inside the compiled backward (a hang against another
+    rank's eager messages). A graph break: the slice runs eagerly, and so does its
+    backward."""
+    if func not in _SLICES or not torch.is_grad_enabled():
+        return
+    x = args[0]
+    if not getattr(x, "requires_grad", False) or getattr(x, "_layout", None) is None:
+        return
+    dim = args[1] if len(args) > 1 else 0
+    step = args[4] if len(args) > 4 else 1
+    if step != 1 and x._layout.cut_by(dim % x.ndim):
+        graph_break(f"{func} with step {step} along cut dim {dim % x.ndim}")
+
+
+_SLICES = (torch.ops.aten.slice.Tensor,)
 
 
 def _local_backward(func, leaves) -> None:

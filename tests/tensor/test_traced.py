@@ -875,6 +875,45 @@ def test_several_ranks_pad_a_cut_dim(ranks_for, mode):
 
 
 @needs_traceable
+def test_several_ranks_break_at_a_strided_slice(ranks_for):
+    """Swin's patch merging: ``x[:, 0::2]`` and ``x[:, 1::2]`` along the cut dim send
+    nothing, but their gradients come back in other layouts than ``x``'s, and their sum
+    would move rows inside the compiled backward (Swin hung on 2 ranks with inductor). Such
+    a slice breaks the graph: no compiled graph, forward or backward, holds a message;
+    values and the input's gradient equal one device."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        x = torch.randn(2, 19, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+
+        def fn(t):
+            t = t * 2
+            return torch.cat([t[:, 0::2][:, :9], t[:, 1::2]], -1).relu()
+
+        want_x = x.clone().requires_grad_()
+        want = fn(want_x)
+        want.sum().backward()
+        torch._dynamo.reset()
+        targets = []
+        compiled = torch.compile(fn, backend=_recording_backend(targets))
+        leaf = x.clone().requires_grad_()
+        with shardlab.patched():
+            got = compiled(shardlab.distribute(leaf, mesh, [Shard(1)], [[11, 8]]))
+            got.full_tensor().sum().backward()
+        return (
+            not any(target.startswith("shardlab.") for target in targets),
+            torch.allclose(got.full_tensor(), want.detach()),
+            torch.allclose(leaf.grad, want_x.grad),
+        )
+
+    assert ranks_for(2).run(body) == [(True,) * 3] * 2
+
+
+@needs_traceable
 def test_unflatten_of_a_real_block_keeps_layout_strides_and_grad(ranks_for):
     """What AOTAutograd does to each ShardTensor a compiled graph returns (its outputs,
     its gradients): ``__tensor_unflatten__`` of a real block, on DTensor's flatten format.
