@@ -357,21 +357,45 @@ def _in_checkpointed_region() -> bool:
 
 
 def _strided_slice(func, args) -> None:
-    """A slice with a step along a cut dim (Swin's patch merging, ``x[:, 0::2]`` and
-    ``x[:, 1::2]``) sends nothing, but its backward puts each rank's rows back between
-    other bounds than the input's: the gradients of two such slices differ in layout, and
-    summing them would move rows inside the compiled backward (a hang against another
-    rank's eager messages). A graph break: the slice runs eagerly, and so does its
-    backward."""
+    """A slice along a cut dim sends nothing, but its backward (``slice_backward``) puts
+    each rank's rows back between bounds it derives from the gradient's sizes, which are
+    the input's only for a step of 1 where every rank keeps rows (``x[:, 1:]``, a label
+    shift). Otherwise (Swin's patch merging ``x[:, 0::2]``, ``x[:, 1::2]``; ``x[:, 15:]``
+    with the first rank's rows all cut off) gradients of one input come back in other
+    layouts, and summing them would move rows inside the compiled backward (a hang
+    against another rank's eager messages). Such a slice breaks the graph: it runs
+    eagerly, and so does its backward."""
     if func not in _SLICES or not torch.is_grad_enabled():
         return
     x = args[0]
-    if not getattr(x, "requires_grad", False) or getattr(x, "_layout", None) is None:
+    lay = getattr(x, "_layout", None)
+    if lay is None or not getattr(x, "requires_grad", False):
         return
-    dim = args[1] if len(args) > 1 else 0
-    step = args[4] if len(args) > 4 else 1
-    if step != 1 and x._layout.cut_by(dim % x.ndim):
-        graph_break(f"{func} with step {step} along cut dim {dim % x.ndim}")
+    dim = (args[1] if len(args) > 1 else 0) % x.ndim
+    if not lay.cut_by(dim):
+        return
+    n = x.shape[dim]
+    start, end, step = (list(args[2:5]) + [None, None, 1][len(args[2:5]) :])[:3]
+    plain = all(v is None or type(v) is int for v in (start, end, step))
+    if plain and step == 1 and len(lay.cut_by(dim)) == 1 and lay.is_block(dim):
+        start = 0 if start is None else _clamp(start, n)
+        end = n if end is None else _clamp(end, n)
+        offsets = [0]
+        for size in lay.sizes_along(dim):
+            offsets.append(offsets[-1] + size)
+        kept = 0  # rows of the slice on the ranks before rank k (what slice_backward reads)
+        for k in range(1, len(offsets) - 1):
+            kept += max(0, min(end, offsets[k]) - max(start, offsets[k - 1]))
+            if min(n, start + kept) != offsets[k]:  # slice_backward's bound k
+                break
+        else:
+            return
+    graph_break(f"{func} ({start}:{end}:{step}) along cut dim {dim}: its gradient moves")
+
+
+def _clamp(v, n):
+    v = v + n if v < 0 else v
+    return min(max(v, 0), n)
 
 
 _SLICES = (torch.ops.aten.slice.Tensor,)

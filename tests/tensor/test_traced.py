@@ -874,15 +874,27 @@ def test_several_ranks_pad_a_cut_dim(ranks_for, mode):
     assert ranks_for(2).run(body) == [(True,) * 6] * 2
 
 
+_SLICES = {  # name: (the compiled function, whether its slice breaks the graph)
+    "patch merging": (lambda t: (torch.cat([t[:, 0::2][:, :9], t[:, 1::2]], -1).relu(),), True),
+    "first rank cut off": (lambda t: ((t[:, 12:] * 3).relu(), t.relu()), True),
+    "label shift": (lambda t: (t[:, 1:].relu(), t.relu()), False),
+}
+
+
 @needs_traceable
-def test_several_ranks_break_at_a_strided_slice(ranks_for):
-    """Swin's patch merging: ``x[:, 0::2]`` and ``x[:, 1::2]`` along the cut dim send
-    nothing, but their gradients come back in other layouts than ``x``'s, and their sum
-    would move rows inside the compiled backward (Swin hung on 2 ranks with inductor). Such
-    a slice breaks the graph: no compiled graph, forward or backward, holds a message;
-    values and the input's gradient equal one device."""
+@pytest.mark.parametrize("case", list(_SLICES))
+def test_several_ranks_break_at_a_slice_whose_gradient_moves(ranks_for, case):
+    """A slice along the cut dim (sizes [11, 8]) sends nothing, but its gradient comes back
+    between bounds of its own: the input's for a step of 1 where every rank keeps rows (a
+    label shift, traced), others otherwise (Swin's patch merging ``x[:, 0::2]``,
+    ``x[:, 1::2]``; ``x[:, 12:]`` that keeps nothing of the first rank). Summed with
+    another gradient of the input, such a gradient moved rows inside the compiled backward
+    (Swin hung on 2 ranks with inductor), so such a slice breaks the graph. No compiled
+    graph holds a message; values and the input's gradient equal one device."""
+    fn, breaks_expected = _SLICES[case]
 
     def body():
+        from torch._dynamo.utils import counters
         from torch.distributed.tensor import Shard
 
         import shardlab
@@ -890,27 +902,29 @@ def test_several_ranks_break_at_a_strided_slice(ranks_for):
         mesh = shardlab.this_rank().mesh
         x = torch.randn(2, 19, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
 
-        def fn(t):
-            t = t * 2
-            return torch.cat([t[:, 0::2][:, :9], t[:, 1::2]], -1).relu()
+        def step(t):
+            return fn(t * 2)
 
         want_x = x.clone().requires_grad_()
-        want = fn(want_x)
-        want.sum().backward()
+        want = step(want_x)
+        sum(w.sum() for w in want).backward()
         torch._dynamo.reset()
+        counters.clear()
         targets = []
-        compiled = torch.compile(fn, backend=_recording_backend(targets))
+        compiled = torch.compile(step, backend=_recording_backend(targets))
         leaf = x.clone().requires_grad_()
         with shardlab.patched():
             got = compiled(shardlab.distribute(leaf, mesh, [Shard(1)], [[11, 8]]))
-            got.full_tensor().sum().backward()
+            got = [g.full_tensor() for g in got]
+            sum(g.sum() for g in got).backward()
         return (
+            (sum(counters["graph_break"].values()) > 0) == breaks_expected,
             not any(target.startswith("shardlab.") for target in targets),
-            torch.allclose(got.full_tensor(), want.detach()),
+            all(torch.allclose(g, w.detach()) for g, w in zip(got, want)),
             torch.allclose(leaf.grad, want_x.grad),
         )
 
-    assert ranks_for(2).run(body) == [(True,) * 3] * 2
+    assert ranks_for(2).run(body) == [(True,) * 4] * 2
 
 
 @needs_traceable
