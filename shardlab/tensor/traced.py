@@ -378,6 +378,8 @@ def _strided_slice(func, args) -> None:
     start, end, step = (list(args[2:5]) + [None, None, 1][len(args[2:5]) :])[:3]
     plain = all(v is None or type(v) is int for v in (start, end, step))
     if plain and step == 1 and len(lay.cut_by(dim)) == 1 and lay.is_block(dim):
+        from shardlab.tensor.aten.shaping import _clamp  # (slice_backward's own)
+
         start = 0 if start is None else _clamp(start, n)
         end = n if end is None else _clamp(end, n)
         offsets = [0]
@@ -391,11 +393,6 @@ def _strided_slice(func, args) -> None:
         else:
             return
     graph_break(f"{func} ({start}:{end}:{step}) along cut dim {dim}: its gradient moves")
-
-
-def _clamp(v, n):
-    v = v + n if v < 0 else v
-    return min(max(v, 0), n)
 
 
 _SLICES = (torch.ops.aten.slice.Tensor,)
