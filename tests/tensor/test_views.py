@@ -202,3 +202,41 @@ def test_writes_by_foreach_and_out_reach_the_base_of_a_copied_view(ranks_for):
 
     for res in ranks_for(2).run(body):
         assert all(a and b for _, _, a, b in res), res
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_gradient_of_a_select_comes_back_whole_and_moves_nothing(ranks_for, world):
+    """``x[:, 0]`` of a whole dim sends nothing, and neither does its backward: the gradient
+    is zeros with the row put back, whole along the new dim like the input. Cut into
+    chunks (as before: a dim of 1 became sizes [1, 0]), the view of a linear's output
+    ``(B, 1, D)`` back to ``(B, D)`` (SigLIP's pooling head) moved it in the backward."""
+
+    def body():
+        import shardlab
+
+        mesh = this_rank().mesh
+        g = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        cases = {
+            "head": (lambda x: x[:, 0].reshape(3, 1, 4)[:, 0] * 2, [Replicate()], None),
+            "cls token": (lambda x: x[:, 0] * 2, [Replicate()], None),
+            "batch cut": (lambda x: x[:, -1] * 2, [Shard(0)], {2: [2, 1], 3: [2, 0, 1]}[world]),
+        }
+        out = {}
+        for name, (fn, places, sizes) in cases.items():
+            x = distribute(g, mesh, places, sizes).detach().requires_grad_()
+            y = fn(x)
+            with shardlab.trace() as t:
+                y.backward(torch.ones_like(y))  # a gradient in y's layout
+            ref = g.clone().requires_grad_()
+            fn(ref).sum().backward()
+            out[name] = (
+                torch.equal(y.full_tensor(), fn(g)),
+                torch.equal(x.grad.full_tensor(), ref.grad),
+                x.grad.sharding.placements == x.sharding.placements,
+                t.counts(),
+            )
+        return out
+
+    for res in ranks_for(world).run(body):
+        for name, (same, grad, layout, counts) in res.items():
+            assert same and grad and layout and counts == {}, (name, layout, counts)

@@ -244,8 +244,11 @@ def _clamp(v, n):
 
 @register(aten.select_backward.default)
 def _select_backward(func, args, kwargs):
-    """Gradient of a select: the row goes back in; a mesh dim that is whole in the
-    gradient cuts the new dim into chunks (so no rank holds the whole zeros)."""
+    """Gradient of a select: zeros with the row put back, no message. The new dim is
+    whole on every rank, as the input's was where its select sent nothing (``x[:, 0]``
+    of a whole dim): the gradient comes back in the input's layout, and one that is cut
+    there takes its rows locally (Replicate -> Shard sends nothing). Cut into chunks,
+    it would have to be gathered again (a view of ``(B, 1, D)`` as ``(B, D)``)."""
     grad, sizes, dim, index = args[:4]
     grad = c.reduced(grad, "select_backward.partial")
     dim %= len(sizes)
@@ -253,28 +256,17 @@ def _select_backward(func, args, kwargs):
     index = index + n if index < 0 else index
     lay, mesh = grad._layout, grad.device_mesh
     places = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in lay.placements]
-    free = [m for m, p in enumerate(places) if isinstance(p, Replicate)]
     atoms = None if lay.atoms is None else lay.atoms[:dim] + (None,) + lay.atoms[dim:]
-    entry = list(lay.sizes)
-    if free:
-        m = free[0]
-        places[m] = Shard(dim)
-        entry[m] = (ShardLayout.build((n,), (mesh.shape[m],), [Shard(0)]).sizes[0][0],)
     out = ShardLayout(
         tuple(sizes),
         lay.mesh_shape,
         tuple(places),
-        tuple(entry),
+        lay.sizes,
         atoms,
-        None
-        if atoms is None
-        else tuple(0 if m in free[:1] else lay.cut_of(m) for m in range(mesh.ndim)),
+        None if atoms is None else tuple(lay.cut_of(m) for m in range(mesh.ndim)),
     )
-    coord = c.me(mesh)
-    y = grad._local_tensor.new_zeros(out.local_shape(coord))
-    o, k = out._piece(dim, coord)
-    if o <= index < o + k:
-        y.select(dim, index - o).copy_(grad._local_tensor)
+    y = grad._local_tensor.new_zeros(out.local_shape(c.me(mesh)))  # (..., n, ...)
+    y.select(dim, index).copy_(grad._local_tensor)
     return c.wrap(y, mesh, out)
 
 
