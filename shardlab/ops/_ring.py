@@ -59,6 +59,7 @@ from shardlab.ops._ring_blocks import (
     merge,
     once,
 )
+from shardlab.tensor import collectives
 from shardlab.tensor._once import first_order
 from shardlab.tensor.comm import post
 from shardlab.tensor.recompute import fenced, kept
@@ -178,6 +179,7 @@ def _post(plan: RingPlan, send: list, recv_shapes: list, like: torch.Tensor, cau
     K and V (dK and dV) of one dtype travel as one message each way: one flat buffer,
     sent whole and received whole, split into the blocks (half the messages, each one's
     latency paid once, as in torch's own ring)."""
+    collectives.sending(like, plan.group)  # (under torch.compile: never inside a graph)
     nxt, prv = plan.peers[(plan.me + 1) % plan.n], plan.peers[(plan.me - 1) % plan.n]
     if len(send) > 1 and all(t.dtype == like.dtype and t.device == like.device for t in send):
         numels = [math.prod(s) for s in recv_shapes]

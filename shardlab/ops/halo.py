@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.layout import ConvPlan
+from shardlab.tensor import collectives
 from shardlab.tensor._once import first_order
 from shardlab.tensor.comm import post
 from shardlab.tensor.recompute import fenced
@@ -40,6 +41,7 @@ def _wait(works) -> None:
 def post_halo(local, plan: ConvPlan, peers, me, dim, offset, cause):
     """Post the window's messages (no autograd): every row this rank sends, a buffer for
     every row it receives. Returns (receive buffers, works)."""
+    collectives.sending(local)  # (under torch.compile: never inside a graph)
     rows = lambda t, a, b: t.narrow(dim, a - offset, b - a)  # noqa: E731
     recv_bufs = []
     for _src, a, b in plan.recvs(me):
@@ -66,6 +68,7 @@ def send_back(ctx, grad):
     """The window's gradient ``grad`` home: my rows' part added to my block, each
     received row's part sent back to its owner and added there. Returns my block's."""
     plan, dim, me, offset = ctx.plan, ctx.dim, ctx.me, ctx.offset
+    collectives.sending(grad)
     shape = list(grad.shape)
     if ctx.idx is None:  # the window is the rows in order: its gradient too
         g_buf = grad.narrow(dim, ctx.lead, ctx.buf_len - 1)

@@ -187,7 +187,8 @@ class ShardTensor(DTensor):
         # AOTAutograd: a gradient may not be Partial (DTensor's rule, with our sizes)
         if self._layout is None or not any(isinstance(p, Partial) for p in self._layout.placements):
             return self
-        return _Redistribute.apply(self, _grad_layout(self._layout), "tangent")
+        with traced.guessing():
+            return _Redistribute.apply(self, _grad_layout(self._layout), "tangent")
 
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
         # AOTAutograd: a runtime gradient in the layout the compiled backward was built for

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_gather", "all_reduce_", "exchange", "is_traced"]
+__all__ = ["all_gather", "all_reduce_", "exchange", "is_traced", "sending"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "avg": dist.ReduceOp.AVG}  # fmt: skip
@@ -41,14 +41,19 @@ def is_traced(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def _sending(t) -> None:
-    """While dynamo traces (its fake blocks, not AOTAutograd's functional ones): a message
-    breaks the graph, and the op that sends it runs eagerly (``traced.check_ranks``)."""
-    if type(t) is not torch.Tensor:
-        from shardlab.tensor import traced
+def sending(t, group=None) -> None:
+    """Called on every rank of a message's group before it is posted (also by a rank
+    that sends and receives nothing), with the block ``t``: nothing for a real block.
+    For a fake one under ``torch.compile`` on several ranks, no graph may hold the
+    message: :func:`shardlab.tensor.traced.message_traced` breaks the graph or runs the
+    frame eagerly (on every rank alike: the message's group decides, not the block)."""
+    if type(t) is torch.Tensor or (group is not None and dist.get_world_size(group) == 1):
+        return
+    from shardlab.tensor import traced
 
-        if traced.breaks_on_messages():
-            traced.graph_break("a message between ranks")
+    if traced.breaks_on_messages():  # dynamo runs an op on cut blocks (check_ranks)
+        traced.graph_break("a message between ranks")
+    traced.message_traced(t)
 
 
 def _name(group) -> str:
@@ -119,7 +124,7 @@ for _op in (_all_reduce, _all_gather, _exchange):
 # -- what shardlab calls -----------------------------------------------------------
 def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """``dist.all_reduce(t, op, group)`` (in place), traced as ``shardlab::all_reduce``."""
-    _sending(t)
+    sending(t, group)
     if not is_traced(t):
         dist.all_reduce(t, op, group=group)
         return t
@@ -128,7 +133,7 @@ def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tens
 
 def all_gather(out: list, t: torch.Tensor, group=None) -> list:
     """``dist.all_gather(out, t, group)``, traced as ``shardlab::all_gather``."""
-    _sending(t)
+    sending(t, group)
     if not is_traced(t):
         dist.all_gather(out, t, group=group)
         return out
@@ -143,7 +148,7 @@ def exchange(ops: list) -> bool:
     for real tensors: the caller posts them itself."""
     if not ops or not any(is_traced(op.tensor) for op in ops):
         return False
-    _sending(ops[0].tensor)
+    sending(ops[0].tensor)
     sends = [op for op in ops if op.op is dist.isend]
     recvs = [op for op in ops if op.op is not dist.isend]
     got = torch.ops.shardlab.exchange(

@@ -134,7 +134,10 @@ def move(local: torch.Tensor, src: ShardLayout, dst: ShardLayout, mesh) -> torch
     me = my_coord(mesh)
     out = local.new_empty(dst.local_shape(me))
     ops, received = [], []
-    for mv in redistribute_plan(src, dst):
+    plan = redistribute_plan(src, dst)
+    if type(local) is not torch.Tensor and not all(mv.local for mv in plan):
+        collectives.sending(local)  # a message on some rank (traced: shardlab.tensor.traced)
+    for mv in plan:
         if mv.local and mv.dst == me:
             _put(out, mv.dst_slices(), _take(local, mv.src_slices()))  # a local copy
         elif mv.src == me:
@@ -196,6 +199,7 @@ def _reduce_scatter_v(local, m, d, sizes, mesh, op) -> torch.Tensor:
     """Partial on mesh dim ``m`` -> Shard(d) with ``sizes``: every rank sends each peer
     the peer's slice of its partial value and sums what it receives for its own."""
     me = my_coord(mesh)
+    collectives.sending(local, mesh.get_group(m))
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
 
     def piece(t, k):

@@ -41,8 +41,8 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 __all__ = [
     "COMPILED", "TRACEABLE", "Placements", "breaks_on_messages", "check", "check_ranks",
     "cut_by_dynamo", "eager", "entry", "faked", "graph_break", "layout_of", "one_rank",
-    "outside_modes", "placements", "pooled_mean", "prepare", "sends_break", "SYMBOLIC",
-    "tracing",
+    "guessing", "message_traced", "outside_modes", "placements", "pooled_mean", "prepare",
+    "sends_break", "SYMBOLIC", "tracing",
 ]  # fmt: skip
 
 tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is installed
@@ -332,6 +332,53 @@ class sends_break:
 
 def breaks_on_messages() -> bool:
     return bool(_QUIET)
+
+
+_GUESSES: list = []  # not empty while AOTAutograd guesses a gradient's layout
+
+
+class guessing:
+    """AOTAutograd guesses the layout of an output's gradient (a Partial output's is
+    made Replicate, ``ShardTensor.__coerce_tangent_metadata__``): the message that
+    guess traces is metadata only, in no graph that runs."""
+
+    def __enter__(self):
+        _GUESSES.append(True)
+
+    def __exit__(self, *exc):
+        _GUESSES.pop()
+
+
+def message_traced(t) -> None:
+    """A message about to be traced on the fake block ``t`` (a group of several ranks).
+
+    Under ``torch.compile`` no graph may hold it (the module docstring says why):
+
+    * dynamo runs an op on its fake blocks (an entry point it traces into, outside
+      :class:`sends_break`): a graph break, the op runs eagerly;
+    * AOTAutograd traces the graph (functional blocks) and meets a message dynamo never
+      saw: a decomposition (inductor's) of an op into ops that send, or a backward
+      that moves a gradient. dynamo's graph is already made, so the whole frame runs
+      eagerly (dynamo's ``SkipFrame``; the functions it calls are compiled on their own).
+
+    Every rank of the group decides alike (the layouts are the same everywhere), so the
+    ranks' graphs hold the same ops and post their messages in the same order. Outside
+    ``torch.compile`` (``aot_function``, ``make_fx``) the message is a node of the graph,
+    as :mod:`shardlab.tensor.collectives` describes."""
+    from torch._guards import TracingContext
+
+    if _GUESSES or TracingContext.try_get() is None:
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if type(t) is FakeTensor:
+        graph_break("a message between ranks")
+    from torch._dynamo.exc import SkipFrame
+
+    raise SkipFrame(
+        "shardlab: a message between ranks would be traced into a compiled graph (a "
+        "decomposition or a backward dynamo did not see): this frame runs eagerly"
+    )
 
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # dynamo's symbolic scalars

@@ -374,6 +374,35 @@ def test_a_stand_in_asks_for_a_graph_break():
     traced.check(torch.ops.aten.add.Tensor, (torch.ones(1), 2), {"alpha": 1})  # no break
 
 
+def test_a_traced_message_breaks_or_skips_the_frame():
+    """The rule for a message about to be traced, without a process group. Under
+    ``torch.compile`` (dynamo's tracing context): on dynamo's fake block (its own run of an
+    op) a graph break; on AOTAutograd's functional block (it traces what dynamo never ran:
+    a backward) dynamo's ``SkipFrame``, the frame runs eagerly. Outside ``torch.compile``
+    (``aot_function``, ``make_fx``) and while AOTAutograd guesses a gradient's layout,
+    nothing: the message is a node of the graph."""
+    from torch._dynamo.exc import SkipFrame, Unsupported
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    from shardlab.tensor import traced
+
+    mode = FakeTensorMode()
+    fake = mode.from_tensor(torch.ones(2))
+    with FunctionalTensorMode():
+        functional = FunctionalTensor.to_functional(torch.ones(2))
+    for block in (fake, functional):
+        traced.message_traced(block)  # no torch.compile around: a node of the graph
+    with tracing(TracingContext(mode)):
+        with pytest.raises(Unsupported, match="a message between ranks"):
+            traced.message_traced(fake)
+        with pytest.raises(SkipFrame, match="this frame runs eagerly"):
+            traced.message_traced(functional)
+        with traced.guessing():
+            traced.message_traced(functional)
+
+
 # -- a mesh of one rank: everything in the graph ------------------------------------
 def _traceable():
     from shardlab.tensor import traced
@@ -698,8 +727,9 @@ def test_two_outputs_and_a_backward_through_one(ranks_for):
     assert ranks_for(1).run(body) == [True]
 
 
-def _recording_backend(targets):
-    """aot_eager whose forward and backward graphs' node targets land in ``targets``."""
+def _recording_backend(targets, inductors_decompositions=False):
+    """aot_eager whose forward and backward graphs' node targets land in ``targets``;
+    with inductor's decompositions, AOTAutograd traces the aten ops inductor gets."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -707,7 +737,13 @@ def _recording_backend(targets):
         targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=record, bw_compiler=record)
+    if not inductors_decompositions:
+        return aot_autograd(fw_compiler=record, bw_compiler=record)
+    from torch._inductor.decomposition import select_decomp_table
+
+    return aot_autograd(
+        fw_compiler=record, bw_compiler=record, decompositions=select_decomp_table()
+    )
 
 
 def _cut_linear_body(world_sizes, grads_before):
@@ -925,6 +961,62 @@ def test_several_ranks_break_at_a_slice_whose_gradient_moves(ranks_for, case):
         )
 
     assert ranks_for(2).run(body) == [(True,) * 4] * 2
+
+
+@needs_traceable
+@pytest.mark.timeout(600)
+def test_a_pooling_head_compiles_without_a_message_in_its_graphs(ranks_for):
+    """SigLIP's head: one learned query attends to every (cut) patch, then an MLP on that
+    one token, ``hidden[:, 0]``. Compiled on 2 ranks, no forward or backward graph holds a
+    message (AOTAutograd traced with inductor's decompositions), and logits and gradients
+    equal the eager sharded step. It hung with inductor:
+    the gradient of ``hidden[:, 0]`` came back cut into chunks (sizes [1, 0]), its view in
+    the MLP's backward moved it, and that move was a ``shardlab::exchange`` in the compiled
+    graphs of one rank only (the partitioner put a receive that reads nothing in a
+    forward graph, the matching send in a backward one)."""
+    pytest.importorskip("transformers")
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from tests.models import _zoo
+
+        mesh = shardlab.this_rank().mesh
+        model, _ = _zoo.vision("siglip")
+        model = model.double().train()
+        g = torch.randn(_zoo.IMAGE, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        labels = torch.tensor([1] * _zoo.IMAGE[0])
+        sizes = _zoo.uneven(_zoo.IMAGE[2], mesh.size())
+
+        def step(m):
+            out = m(pixel_values=shardlab.distribute(g, mesh, [Shard(2)], sizes), labels=labels)
+            out.loss.backward()
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            model.zero_grad(set_to_none=True)
+            return out.logits.detach(), grads
+
+        torch._dynamo.reset()
+        targets = []
+        with shardlab.patched():
+            eager = step(model)
+            backend = _recording_backend(targets, inductors_decompositions=True)
+            compiled = torch.compile(model, backend=backend)
+            got = [step(compiled) for _ in range(2)]
+        return (
+            not any(t.startswith("shardlab.") for t in targets),
+            any("mm" in t for t in targets),  # the head's MLP is traced
+            all(
+                len(gr) == len(eager[1]) > 0
+                and torch.allclose(lg, eager[0])
+                and all(
+                    type(a) is torch.Tensor and torch.allclose(a, b) for a, b in zip(gr, eager[1])
+                )
+                for lg, gr in got
+            ),
+        )
+
+    assert ranks_for(2).run(body) == [(True, True, True)] * 2
 
 
 @needs_traceable
