@@ -390,8 +390,8 @@ class LocalView:
     def __call__(self, args, kwargs):
         try:
             return args[0].view(self.shape)
-        except RuntimeError:  # this block's strides do not allow a view: the full path
-            raise Stale from None
+        except (RuntimeError, ValueError):  # this block's strides do not allow a view
+            raise Stale from None  # (a fake block's meta raises ValueError): the full path
 
 
 class LocalReshape(LocalView):

@@ -231,6 +231,25 @@ def test_a_kept_view_of_blocks_that_cannot_be_viewed_decides_in_full(ranks_for):
         assert all(ok), ok
 
 
+def test_a_kept_view_of_a_fake_block_that_cannot_be_viewed_decides_in_full():
+    """The same rule on fake blocks, without a process group: torch's meta for ``view``
+    raises ``ValueError`` there (``RuntimeError`` on real blocks), and either means the
+    full path. BLOOM failed to compile with inductor on 2 ranks: inductor runs the
+    graph again on fake blocks, where the kept view of its transposed keys raised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardlab.tensor import decisions
+
+    view = decisions.LocalView((4, 9, 8))
+    with FakeTensorMode():
+        fake = torch.empty(2, 9, 2, 8).transpose(1, 2)  # (2, 2, 9, 8), strides (144, 8, 16, 1)
+        with pytest.raises(decisions.Stale):
+            view([fake], {})
+        assert view([torch.empty(2, 2, 9, 8)], {}).shape == (4, 9, 8)
+    with pytest.raises(decisions.Stale):
+        view([torch.empty(2, 9, 2, 8).transpose(1, 2)], {})
+
+
 def test_a_kept_decision_follows_the_default_dtype(ranks_for):
     """``int * 0.5`` takes its dtype from torch's default dtype, which is not in the key:
     after the default changes, the kept decision does not apply and the op decides anew."""
