@@ -294,6 +294,7 @@ def redistribute_local(
         for m, p in enumerate(src.placements):
             if isinstance(p, Partial) and dst.placements[m] != p:
                 if type(p) is not Partial:  # DTensor's own kinds (a p-norm's): its rule
+                    collectives.sending(local, mesh.get_group(m))
                     local = p._reduce_value(local, mesh, m)
                     local = local.wait() if hasattr(local, "wait") else local
                     src = _as_replicate(src, [m])

@@ -357,9 +357,10 @@ def message_traced(t) -> None:
     * dynamo runs an op on its fake blocks (an entry point it traces into, outside
       :class:`sends_break`): a graph break, the op runs eagerly;
     * AOTAutograd traces the graph (functional blocks) and meets a message dynamo never
-      saw: a decomposition (inductor's) of an op into ops that send, or a backward
-      that moves a gradient. dynamo's graph is already made, so the whole frame runs
-      eagerly (dynamo's ``SkipFrame``; the functions it calls are compiled on their own).
+      saw: dynamo runs only the forward, and a backward may move a gradient (SigLIP's
+      did, before ``select_backward`` kept its new dim whole). dynamo's graph is already
+      made, so the whole frame runs eagerly (dynamo's ``SkipFrame``; the functions it
+      calls are compiled on their own).
 
     Every rank of the group decides alike (the layouts are the same everywhere), so the
     ranks' graphs hold the same ops and post their messages in the same order. Outside
@@ -377,7 +378,7 @@ def message_traced(t) -> None:
 
     raise SkipFrame(
         "shardlab: a message between ranks would be traced into a compiled graph (a "
-        "decomposition or a backward dynamo did not see): this frame runs eagerly"
+        "backward dynamo did not run): this frame runs eagerly"
     )
 
 
