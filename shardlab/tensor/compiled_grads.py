@@ -19,6 +19,7 @@ the plain parameters it took to the end-of-backward sum (:mod:`shardlab.tensor.g
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -27,25 +28,52 @@ from shardlab.tensor import traced
 __all__ = ["plain_gradients", "route", "zero_gradients"]
 
 
-def zero_gradients(roots, mesh) -> tuple[list, list]:
+def zero_gradients(roots, mesh) -> tuple[list, list, list]:
     """Extra roots for a backward from ``roots``: a compiled function (AOTAutograd's) with
     a ShardTensor output that gets no gradient (a model's logits next to its loss) would
     get plain zeros from autograd, which its compiled backward refuses (torch's issue
     #173123). Each such output gets a root of its own: Replicate zeros (the compiled
     backward moves them to the layout it was built for, with no message; added to the
-    output's real gradient where it has one). Returns (gradient edges, zeros)."""
-    if not traced.COMPILED:
-        return [], []
-    from torch.autograd.graph import GradientEdge
+    output's real gradient where it has one).
 
-    edges, zeros = [], []
+    Returns (gradient edges, zeros, plain leaves): the same walk of the graph collects
+    the plain tensors the backward accumulates into, for :func:`plain_gradients` after
+    it (one walk a step, not two)."""
+    if not traced.COMPILED:
+        return [], [], []
+    from torch.autograd.graph import GradientEdge
+    from torch.distributed.tensor import DTensor
+
+    edges, zeros, leaves = [], [], []
     for node in _nodes(roots):
-        meta = getattr(getattr(node, "_forward_cls", None), "metadata", None)
-        if meta is not None and hasattr(meta, "output_info"):
-            for j, shape, dtype, device in _sharded_outputs(node, meta):
+        kind = _KINDS.get(type(node)) or _kind(type(node))
+        if kind == "leaf":
+            var = node.variable
+            if not isinstance(var, DTensor):
+                leaves.append(var)
+        elif kind == "compiled":
+            for j, shape, dtype, device in _sharded_outputs(node, node._forward_cls.metadata):
                 edges.append(GradientEdge(node, j))
                 zeros.append(_zeros(shape, dtype, device, mesh))
-    return edges, zeros
+    return edges, zeros, leaves
+
+
+_KINDS = weakref.WeakKeyDictionary()  # type of an autograd node -> "leaf", "compiled", "other"
+
+
+def _kind(cls) -> str:
+    """What a node of this type is to :func:`zero_gradients`: a leaf's ``AccumulateGrad``,
+    the backward of an AOTAutograd compiled function (its ``metadata`` describes the
+    outputs), or other. Kept per type: a step's walk reads no attribute of other nodes."""
+    meta = getattr(getattr(cls, "_forward_cls", None), "metadata", None)
+    if cls is torch._C._functions.AccumulateGrad:
+        kind = "leaf"
+    elif meta is not None and hasattr(meta, "output_info"):
+        kind = "compiled"
+    else:
+        kind = "other"
+    _KINDS[cls] = kind
+    return kind
 
 
 def _nodes(roots):
@@ -81,16 +109,22 @@ def _zeros(shape, dtype, device, mesh):
     return as_shard(torch.zeros(shape, dtype=dtype, device=device), mesh)  # Replicate
 
 
-def plain_gradients(roots) -> None:
-    """After a backward from ``roots`` through compiled code: a plain tensor whose
-    ``.grad`` came back as a ShardTensor (whole on one rank, a partial sum cut over
-    several) gets it as the plain full gradient, as eagerly."""
+def plain_gradients(leaves) -> None:
+    """After a backward through compiled code: a plain leaf (from :func:`zero_gradients`'
+    walk) whose ``.grad`` came back as a ShardTensor (whole on one rank, a partial sum
+    cut over several) gets it as the plain full gradient, as eagerly."""
     from torch.distributed.tensor import DTensor
 
-    for node in _nodes(roots):
-        var = getattr(node, "variable", None)
-        if var is not None and not isinstance(var, DTensor) and isinstance(var.grad, DTensor):
-            var.grad = var.grad.full_tensor()  # (cut over ranks: a partial sum, summed)
+    for var in leaves:
+        g = var.grad
+        if not isinstance(g, DTensor):
+            continue
+        if not g.requires_grad and all(p.is_replicate() for p in g.placements):
+            var.grad = g._local_tensor  # whole on every rank: the block is the tensor
+        elif not g.requires_grad and g.device_mesh.size() == 1:
+            var.grad = g._local_tensor  # (one rank: its block is whole, whatever it says)
+        else:
+            var.grad = g.full_tensor()  # (cut over ranks: a partial sum, summed)
 
 
 def route(node) -> None:

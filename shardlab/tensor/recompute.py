@@ -90,13 +90,13 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     plain parameters next to ShardTensors that its forward had, and save other tensors.
     Handing the engine the roots' gradient edges (not tensors) runs the same backward
     with the state of the caller."""
-    edges, grads, mesh = _roots(tensors, grad_tensors, "tensors")
+    edges, grads, leaves = _roots(tensors, grad_tensors, "tensors")
     if inputs is not None:
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
         inputs = _edges(inputs)
     torch.autograd.backward(edges, grads, retain_graph, create_graph, inputs=inputs)
-    if mesh is not None and traced.COMPILED:
-        compiled_grads.plain_gradients(tensors if isinstance(tensors, (list, tuple)) else [tensors])
+    if leaves:  # something was compiled: see there
+        compiled_grads.plain_gradients(leaves)
 
 
 def grad(
@@ -147,10 +147,10 @@ def _edges(tensors) -> list:
     return [get_gradient_edge(t) if isinstance(t, torch.Tensor) else t for t in tensors]
 
 
-def _roots(tensors, grad_tensors, name, batched=False) -> tuple[list, list, object]:
-    """The gradient edges and gradients of a backward's roots, torch's checks on them, and
-    the mesh of the first ShardTensor among them (None if none); when something was
-    compiled, the extra roots of :func:`compiled_grads.zero_gradients`."""
+def _roots(tensors, grad_tensors, name, batched=False) -> tuple[list, list, list]:
+    """The gradient edges and gradients of a backward's roots, torch's checks on them;
+    when something was compiled and a root is a ShardTensor, the extra roots of
+    :func:`compiled_grads.zero_gradients` and the plain leaves it found (else none)."""
     tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
     if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
         grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
@@ -170,10 +170,11 @@ def _roots(tensors, grad_tensors, name, batched=False) -> tuple[list, list, obje
         edges.append(get_gradient_edge(t))
         grads.append(g)
     mesh = next((t.device_mesh for t in tensors if hasattr(t, "_layout")), None)
+    leaves = []
     if mesh is not None and traced.COMPILED:  # torch.compile was used: see there
-        more = compiled_grads.zero_gradients(tensors, mesh)
-        edges, grads = edges + more[0], grads + more[1]
-    return edges, grads, mesh
+        more, zeros, leaves = compiled_grads.zero_gradients(tensors, mesh)
+        edges, grads = edges + more, grads + zeros
+    return edges, grads, leaves
 
 
 def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
