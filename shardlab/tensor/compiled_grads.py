@@ -119,10 +119,9 @@ def plain_gradients(leaves) -> None:
         g = var.grad
         if not isinstance(g, DTensor):
             continue
-        if not g.requires_grad and all(p.is_replicate() for p in g.placements):
-            var.grad = g._local_tensor  # whole on every rank: the block is the tensor
-        elif not g.requires_grad and g.device_mesh.size() == 1:
-            var.grad = g._local_tensor  # (one rank: its block is whole, whatever it says)
+        whole = g.device_mesh.size() == 1 or all(p.is_replicate() for p in g.placements)
+        if whole and not g.requires_grad:
+            var.grad = g._local_tensor  # one rank, or Replicate: the block is the tensor
         else:
             var.grad = g.full_tensor()  # (cut over ranks: a partial sum, summed)
 
