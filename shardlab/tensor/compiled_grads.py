@@ -19,7 +19,6 @@ the plain parameters it took to the end-of-backward sum (:mod:`shardlab.tensor.g
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
@@ -46,34 +45,17 @@ def zero_gradients(roots, mesh) -> tuple[list, list, list]:
 
     edges, zeros, leaves = [], [], []
     for node in _nodes(roots):
-        kind = _KINDS.get(type(node)) or _kind(type(node))
-        if kind == "leaf":
-            var = node.variable
+        var = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if var is not None:
             if not isinstance(var, DTensor):
                 leaves.append(var)
-        elif kind == "compiled":
-            for j, shape, dtype, device in _sharded_outputs(node, node._forward_cls.metadata):
+            continue
+        meta = getattr(getattr(node, "_forward_cls", None), "metadata", None)
+        if meta is not None and hasattr(meta, "output_info"):  # AOTAutograd's backward
+            for j, shape, dtype, device in _sharded_outputs(node, meta):
                 edges.append(GradientEdge(node, j))
                 zeros.append(_zeros(shape, dtype, device, mesh))
     return edges, zeros, leaves
-
-
-_KINDS = weakref.WeakKeyDictionary()  # type of an autograd node -> "leaf", "compiled", "other"
-
-
-def _kind(cls) -> str:
-    """What a node of this type is to :func:`zero_gradients`: a leaf's ``AccumulateGrad``,
-    the backward of an AOTAutograd compiled function (its ``metadata`` describes the
-    outputs), or other. Kept per type: a step's walk reads no attribute of other nodes."""
-    meta = getattr(getattr(cls, "_forward_cls", None), "metadata", None)
-    if cls is torch._C._functions.AccumulateGrad:
-        kind = "leaf"
-    elif meta is not None and hasattr(meta, "output_info"):
-        kind = "compiled"
-    else:
-        kind = "other"
-    _KINDS[cls] = kind
-    return kind
 
 
 def _nodes(roots):
