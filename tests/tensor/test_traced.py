@@ -272,6 +272,66 @@ def test_transformers_models_compile_exactly(ranks_for):
     assert ranks_for(2).run(body) == [[], []]
 
 
+@pytest.mark.more_worlds
+@pytest.mark.timeout(900)
+def test_transformers_models_compile_exactly_on_a_2d_mesh(ranks_for):
+    """A 2x2 mesh, both mesh dims cutting: Llama's ids by batch and by sequence (uneven),
+    ViT's image by H and by W (uneven); compiled (aot_eager) equals the eager sharded step
+    and one device, logits and every gradient (plain tensors), twice (the second call
+    reuses the graphs)."""
+    pytest.importorskip("transformers")
+
+    def body():
+        import copy
+
+        import torch.distributed as dist
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh_for((2, 2))
+        bad = []
+        for name in ("llama", "vit"):
+            model, full, labels, dim = _zoo_batch(name)
+            if dim == 1:  # (B, S): batch on mesh dim 0, sequence on mesh dim 1
+                places, sizes = [Shard(0), Shard(1)], [[1, 1], [8, 5]]
+            else:  # (B, C, H, W): H on mesh dim 0, W on mesh dim 1
+                places, sizes = [Shard(2), Shard(3)], [[19, 13], [14, 18]]
+
+            def step(m, sharded, full=full, labels=labels, places=places, sizes=sizes):
+                xs, lab = full, labels
+                if sharded:
+                    xs = {k: shardlab.distribute(v, mesh, places, sizes) for k, v in full.items()}
+                    if "input_ids" in xs:  # the labels cut as the ids
+                        lab = xs["input_ids"]
+                out = m(**xs, labels=lab)
+                out.loss.backward()
+                grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+                m.zero_grad(set_to_none=True)
+                logits = out.logits.detach()
+                return (logits.full_tensor() if sharded else logits), grads
+
+            one = step(copy.deepcopy(model), False) if dist.get_rank() == 0 else None
+            torch._dynamo.reset()
+            with shardlab.patched():
+                eager = step(model, True)
+                compiled_model = torch.compile(model, backend="aot_eager")
+                compiled = [step(compiled_model, True) for _ in range(2)]
+            for logits, grads in [eager, *compiled]:
+                ok = len(grads) == len(eager[1]) > 0
+                ok = ok and all(type(g) is torch.Tensor for g in grads)
+                ok = ok and torch.allclose(logits, eager[0])
+                ok = ok and all(torch.allclose(a, b) for a, b in zip(grads, eager[1]))
+                if one is not None:  # (Llama's RoPE is float32: grads within 2e-8)
+                    ok = ok and torch.allclose(logits, one[0])
+                    ok = ok and all(torch.allclose(a, b, atol=1e-7) for a, b in zip(grads, one[1]))
+                if not ok:
+                    bad.append((name, (logits - eager[0]).abs().max().item()))
+        return bad
+
+    assert ranks_for(4).run(body) == [[]] * 4
+
+
 @pytest.mark.timeout(600)
 def test_a_masked_lm_compiles_exactly(ranks_for):
     """BERT's masked-LM loss reads its scores flattened to (B*S, V) with S cut (a strided
