@@ -201,6 +201,25 @@ def _zoo_batch(name):
     return model.train(), full, labels, dim
 
 
+def _zoo_step(model, full, labels, cut=None):
+    """One step of a zoo model's own loss: (logits, parameters' gradients). ``cut`` =
+    (mesh, placements, sizes) distributes the inputs (and a decoder's labels, which are its
+    ids) first; the logits come back whole."""
+    import shardlab
+
+    xs, lab = full, labels
+    if cut is not None:
+        xs = {k: shardlab.distribute(v, *cut) for k, v in full.items()}
+        if "input_ids" in full:
+            lab = shardlab.distribute(labels, *cut)
+    out = model(**xs, labels=lab)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    logits = out.logits.detach()
+    return (logits.full_tensor() if cut is not None else logits), grads
+
+
 @pytest.mark.timeout(900)
 def test_transformers_models_compile_exactly(ranks_for):
     pytest.importorskip("transformers")
@@ -221,20 +240,8 @@ def test_transformers_models_compile_exactly(ranks_for):
             sizes = _zoo.uneven(next(iter(full.values())).shape[dim], mesh.size())
 
             def step(m, sharded, full=full, labels=labels, dim=dim, sizes=sizes):
-                xs, lab = full, labels
-                if sharded:
-                    xs = {
-                        k: shardlab.distribute(v, mesh, [Shard(dim)], sizes)
-                        for k, v in full.items()
-                    }
-                    if dim == 1:
-                        lab = shardlab.distribute(labels, mesh, [Shard(1)], sizes)
-                out = m(**xs, labels=lab)
-                out.loss.backward()
-                grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
-                m.zero_grad(set_to_none=True)
-                logits = out.logits.detach()
-                return (logits.full_tensor() if sharded else logits), grads
+                cut = (mesh, [Shard(dim)], sizes) if sharded else None
+                return _zoo_step(m, full, labels, cut)
 
             # one device on rank 0, on a copy: the ranks' BatchNorm buffers must stay alike
             one = step(copy.deepcopy(model), False) if dist.get_rank() == 0 else None
@@ -299,17 +306,7 @@ def test_transformers_models_compile_exactly_on_a_2d_mesh(ranks_for):
                 places, sizes = [Shard(2), Shard(3)], [[19, 13], [14, 18]]
 
             def step(m, sharded, full=full, labels=labels, places=places, sizes=sizes):
-                xs, lab = full, labels
-                if sharded:
-                    xs = {k: shardlab.distribute(v, mesh, places, sizes) for k, v in full.items()}
-                    if "input_ids" in xs:  # the labels cut as the ids
-                        lab = xs["input_ids"]
-                out = m(**xs, labels=lab)
-                out.loss.backward()
-                grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
-                m.zero_grad(set_to_none=True)
-                logits = out.logits.detach()
-                return (logits.full_tensor() if sharded else logits), grads
+                return _zoo_step(m, full, labels, (mesh, places, sizes) if sharded else None)
 
             one = step(copy.deepcopy(model), False) if dist.get_rank() == 0 else None
             torch._dynamo.reset()
