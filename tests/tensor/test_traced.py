@@ -319,7 +319,7 @@ def test_transformers_models_compile_exactly_on_a_2d_mesh(ranks_for):
                 ok = ok and all(type(g) is torch.Tensor for g in grads)
                 ok = ok and torch.allclose(logits, eager[0])
                 ok = ok and all(torch.allclose(a, b) for a, b in zip(grads, eager[1]))
-                if one is not None:  # (Llama's RoPE is float32: grads within 2e-8)
+                if one is not None:  # (Llama's grads: 1.5e-8 from one device, measured)
                     ok = ok and torch.allclose(logits, one[0])
                     ok = ok and all(torch.allclose(a, b, atol=1e-7) for a, b in zip(grads, one[1]))
                 if not ok:
