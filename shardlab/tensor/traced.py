@@ -66,7 +66,7 @@ def graph_break(what: str):
             "this ShardTensor call runs eagerly (shardlab.tensor.traced); dynamo compiles "
             "the code around it"
         ),
-        hints=[],
+        hints=["fullgraph=True cannot hold it: compile without fullgraph"],
     )
 
 
@@ -91,8 +91,21 @@ def eager(fn):
         return disabled[0](*args, **kwargs)
 
     call._torchdynamo_disable = True  # dynamo never inlines it: a graph break, called as is
+    call._torchdynamo_disable_msg = _reason(fn)  # (what dynamo says: ``fullgraph=True``)
     _skip(call.__code__)  # one code object for every wrapper
     return call
+
+
+def _reason(fn) -> str:
+    """Why dynamo leaves ``fn`` out of its graph, as its error with ``fullgraph=True``
+    and ``torch._dynamo.explain`` say it."""
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}".lstrip(".")
+    return (
+        f"shardlab: {name} runs eagerly, never in a compiled graph (a ShardTensor cut "
+        "over several ranks: it may send between ranks, or read the layout). "
+        "fullgraph=True cannot hold it: compile without fullgraph, and dynamo compiles "
+        "the code around it"
+    )
 
 
 def entry(fn):
@@ -101,6 +114,7 @@ def entry(fn):
     starts with ``if tracing() is not None: return <eager(fn)>(...)`` itself. Here dynamo
     is told never to inline ``fn`` and never to compile its frame."""
     fn._torchdynamo_disable = True
+    fn._torchdynamo_disable_msg = _reason(fn)
     _skip(fn.__code__)
     return fn
 

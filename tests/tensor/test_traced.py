@@ -921,6 +921,42 @@ def test_several_ranks_break_where_a_message_is_sent(ranks_for):
 
 
 @needs_traceable
+def test_fullgraph_says_why_it_cannot_hold_a_message(ranks_for):
+    """``fullgraph=True``: on one rank a patched conv and a softmax over the cut dim
+    compile to one graph, equal to eager; cut over 2 ranks each sends, and dynamo's error
+    (``Unsupported``, on every rank) says it is shardlab's and what to do, not only that
+    a disabled function was met."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch._dynamo.exc import Unsupported
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        g = torch.Generator().manual_seed(4)
+        x, w = torch.randn(2, 3, 9, generator=g), torch.randn(4, 3, 3, generator=g)
+        sizes = [[5, 4]] if mesh.size() == 2 else None
+        said = []
+        for fn in (lambda t: F.conv1d(t, w, padding=1).relu(), lambda t: t.softmax(2) * 2):
+            torch._dynamo.reset()
+            t = shardlab.distribute(x, mesh, [Shard(2)], sizes)
+            with shardlab.patched():
+                try:
+                    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(t)
+                    said.append("equal" if torch.allclose(got.full_tensor(), fn(x)) else "wrong")
+                except Unsupported as exc:
+                    text = str(exc)
+                    ok = "shardlab" in text and "compile without fullgraph" in text
+                    said.append("said why" if ok else text)
+        return said
+
+    assert ranks_for(1).run(body) == [["equal", "equal"]]
+    assert ranks_for(2).run(body) == [["said why", "said why"]] * 2
+
+
+@needs_traceable
 @pytest.mark.parametrize("mode", ["constant", "reflect"])
 def test_several_ranks_pad_a_cut_dim(ranks_for, mode):
     """The patched ``F.pad`` along a cut dim (sizes [4, 3]), compiled: a constant pad grows
