@@ -90,6 +90,7 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     plain parameters next to ShardTensors that its forward had, and save other tensors.
     Handing the engine the roots' gradient edges (not tensors) runs the same backward
     with the state of the caller."""
+    _no_compiled_autograd()
     edges, grads, leaves = _roots(tensors, grad_tensors, "tensors")
     if inputs is not None:
         inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
@@ -175,6 +176,23 @@ def _roots(tensors, grad_tensors, name, batched=False) -> tuple[list, list, list
         more, zeros, leaves = compiled_grads.zero_gradients(tensors, mesh)
         edges, grads = edges + more, grads + zeros
     return edges, grads, leaves
+
+
+def _no_compiled_autograd() -> None:
+    """Compiled autograd (torch's option to trace the whole backward) cannot trace one
+    through ShardTensors: its capture runs their ops on symbolic sizes, which a layout
+    cannot hold. A clear error first, on every rank (a setting, never a shape)."""
+    import sys
+
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")  # (not imported: not on)
+    if getattr(ca, "compiled_autograd_enabled", False):
+        raise NotImplementedError(
+            "shardlab: compiled autograd (torch._dynamo.compiled_autograd, "
+            "torch._dynamo.config.compiled_autograd=True) cannot trace a backward through "
+            "ShardTensors; run this backward without it (within "
+            "torch._dynamo.compiled_autograd._disable()): the backward of a "
+            "torch.compile'd forward is compiled without it"
+        )
 
 
 def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):

@@ -419,3 +419,40 @@ def test_an_input_distributed_once_trains_two_steps(ranks_for, world):
         return same
 
     assert ranks_for(world).run(body) == [True] * world
+
+
+def test_compiled_autograd_says_it_cannot_trace_a_sharded_backward(ranks_for):
+    """Compiled autograd around the backward of a compiled, sharded ``transformers`` Llama:
+    shardlab's error on every rank (it failed with a ``TypeError`` on a symbolic size deep
+    in a layout); the same step without it then runs and equals the eager step."""
+    pytest.importorskip("transformers")
+
+    def body():
+        from torch._dynamo import compiled_autograd
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from tests.models import _zoo
+        from tests.tensor.test_traced import _zoo_batch, _zoo_step
+
+        mesh = shardlab.this_rank().mesh
+        model, full, labels, dim = _zoo_batch("llama")
+        cut = (mesh, [Shard(dim)], _zoo.uneven(full["input_ids"].shape[dim], mesh.size()))
+        said = None
+        torch._dynamo.reset()
+        with shardlab.patched():
+            eager = _zoo_step(model, full, labels, cut)
+            compiled = torch.compile(model, backend="aot_eager")
+            try:
+                with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                    _zoo_step(compiled, full, labels, cut)
+            except NotImplementedError as exc:
+                said = "compiled autograd" in str(exc) and "_disable()" in str(exc)
+            model.zero_grad(set_to_none=True)
+            logits, grads = _zoo_step(compiled, full, labels, cut)
+        same = torch.allclose(logits, eager[0]) and all(
+            torch.allclose(a, b) for a, b in zip(grads, eager[1])
+        )
+        return said, same
+
+    assert ranks_for(2).run(body) == [(True, True)] * 2
