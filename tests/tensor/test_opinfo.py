@@ -307,7 +307,7 @@ def test_op_db_compiled_as_eager(ranks_for, dim, backend, ops):
     result and the input's gradient, or the same error on every rank. Compiling never
     fails where eager runs. Each takes a quarter of the ops (aot_eager: dim 0 from the
     first, the last dim from the third) or a twelfth (inductor), for CI's time; every op
-    of both dims, with each backend, was equal at stop 55."""
+    of both dims, with each backend, gave its eager verdict at stop 55."""
     from shardlab.tensor.traced import TRACEABLE
 
     cases = _cases(dim)[ops]
