@@ -300,6 +300,7 @@ def check_ranks(func, args, kwargs) -> bool:
     from shardlab.tensor.aten._common import tree_leaves
 
     dynamo, cut, symbolic = False, False, None  # dynamo's fake blocks; a symbolic scalar
+    shaped = None  # a plain tensor of symbolic size
     leaves = tree_leaves((args, kwargs))
     for a in leaves:
         if type(getattr(a, "_local_tensor", None)) is FakeTensor:
@@ -307,6 +308,9 @@ def check_ranks(func, args, kwargs) -> bool:
             cut = cut or a.device_mesh.size() != 1
         elif isinstance(a, SYMBOLIC):
             symbolic = a
+        elif type(a) is FakeTensor and shaped is None:
+            if any(type(n) is torch.SymInt for n in a.shape):
+                shaped = a
     if cut:
         if (
             not TRACEABLE
@@ -320,6 +324,12 @@ def check_ranks(func, args, kwargs) -> bool:
     if dynamo and _SAVES_MESH and torch.Tag.nondeterministic_seeded in func.tags:
         if _in_checkpointed_region():  # (attention's kernels are tagged so)
             graph_break(f"{func} in an activation-checkpointed region (torch < 2.15)")
+    if dynamo and shaped is not None:
+        # a plain tensor whose size dynamo made symbolic (it changed between calls, and
+        # dynamo's automatic dynamic shapes recompiled: Llama's rotary ``cos`` for a new
+        # sequence length): its global size, next to a layout's numbers, is unknown; the
+        # op runs eagerly (it raised a TypeError in the meta call's cache)
+        graph_break(f"{func} with a tensor of symbolic size {tuple(shaped.shape)}")
     if dynamo and symbolic is not None and torch.Tag.pointwise not in func.tags:
         # an int dynamo made dynamic (``dynamic=True``, or a value that changed): a
         # layout holds numbers, so the op runs eagerly (a scalar of an element-wise op

@@ -110,6 +110,80 @@ def test_other_shard_sizes_never_reuse_a_graph(ranks_for):
     assert ranks_for(2).run(body) == [[], []]
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_plain_tensors_of_new_sizes_recompile_exactly(ranks_for, world):
+    """A plain tensor whose size changes between calls (a rotary table for a new sequence
+    length): dynamo recompiles with that size symbolic (its automatic dynamic shapes), and
+    the op that meets a ShardTensor runs eagerly, exact forward and backward (it failed on
+    every rank: a symbolic size in the meta call's cache key, a ``TypeError``)."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        bad = []
+        for shape in ((1, 1, None, 4), (None, 4), (2, 3, None, 4)):  # None: T, the cut dim
+
+            def fn(x, c):
+                return (x * c + c.exp()).relu().sum(-1)
+
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend="aot_eager")
+            for t in (13, 17, 9, 11):
+                g = torch.Generator().manual_seed(t)
+                x = torch.randn(2, 3, t, 4, dtype=torch.float64, generator=g)
+                c = torch.randn([t if n is None else n for n in shape], dtype=torch.float64)
+                want_x, want_c = x.clone().requires_grad_(), c.clone().requires_grad_()
+                want = fn(want_x, want_c)
+                want.sum().backward()
+                leaf_x, leaf_c = x.clone().requires_grad_(), c.clone().requires_grad_()
+                sizes = [t] if world == 1 else [t - t // 3, t // 3]
+                got = compiled(shardlab.distribute(leaf_x, mesh, [Shard(2)], sizes), leaf_c)
+                got.sum().backward()
+                if not (
+                    torch.allclose(got.full_tensor(), want)
+                    and torch.allclose(leaf_x.grad, want_x.grad)
+                    and torch.allclose(leaf_c.grad, want_c.grad)
+                ):
+                    bad.append((shape, t))
+        return bad
+
+    assert ranks_for(world).run(body) == [[]] * world
+
+
+def test_a_compiled_decoder_takes_a_new_sequence_length(ranks_for):
+    """The zoo's Llama compiled, then given a longer sequence (13 then 17 tokens, cut
+    unevenly over 2 ranks): the step equals the eager sharded step for both lengths
+    (the new length failed to compile on every rank, in the rotary embedding)."""
+    pytest.importorskip("transformers")
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from tests.models import _zoo
+
+        mesh = shardlab.this_rank().mesh
+        model, full, labels, dim = _zoo_batch("llama")
+        longer = torch.randint(0, _zoo.VOCAB, (2, 17), generator=torch.Generator().manual_seed(5))
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        bad = []
+        with shardlab.patched():
+            for ids in (full["input_ids"], longer, full["input_ids"]):
+                cut = (mesh, [Shard(dim)], _zoo.uneven(ids.shape[dim], mesh.size()))
+                want = _zoo_step(model, {"input_ids": ids}, ids, cut)
+                got = _zoo_step(compiled, {"input_ids": ids}, ids, cut)
+                same = torch.allclose(got[0], want[0]) and len(got[1]) == len(want[1])
+                if not (same and all(torch.allclose(a, b) for a, b in zip(got[1], want[1]))):
+                    bad.append(ids.shape[dim])
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
+
+
 def _tutorial_unet():
     """Tutorial 09's ``block`` and ``UNet``, as the notebook defines them."""
     source = (ROOT / "tutorials" / "09_capstone_unet.py").read_text()

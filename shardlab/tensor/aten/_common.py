@@ -330,9 +330,9 @@ def meta_call(func, args, kwargs):
     arguments' shapes, strides and dtypes (a training step repeats them)."""
     try:
         key = (func, _key(args), _key(kwargs))
-    except TypeError:
+        hit = _META_CACHE.get(key)
+    except TypeError:  # unhashable: a symbolic size in a shape, say
         return _meta_call(func, args, kwargs)
-    hit = _META_CACHE.get(key)
     if hit is None:
         try:
             hit = ("ok", _meta_call(func, args, kwargs))
