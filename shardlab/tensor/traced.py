@@ -300,12 +300,14 @@ def check_ranks(func, args, kwargs) -> bool:
     from shardlab.tensor.aten._common import tree_leaves
 
     dynamo, cut, symbolic = False, False, None  # dynamo's fake blocks; a symbolic scalar
-    shaped = None  # a plain tensor of symbolic size
+    shaped = None  # a tensor of symbolic size
     leaves = tree_leaves((args, kwargs))
     for a in leaves:
         if type(getattr(a, "_local_tensor", None)) is FakeTensor:
             dynamo = True
             cut = cut or a.device_mesh.size() != 1
+            if shaped is None and any(type(n) is torch.SymInt for n in a.shape):
+                shaped = a  # (``torch._dynamo.mark_dynamic`` on a ShardTensor)
         elif isinstance(a, SYMBOLIC):
             symbolic = a
         elif type(a) is FakeTensor and shaped is None:
@@ -327,8 +329,9 @@ def check_ranks(func, args, kwargs) -> bool:
     if dynamo and shaped is not None:
         # a plain tensor whose size dynamo made symbolic (it changed between calls, and
         # dynamo's automatic dynamic shapes recompiled: Llama's rotary ``cos`` for a new
-        # sequence length): its global size, next to a layout's numbers, is unknown; the
-        # op runs eagerly (it raised a TypeError in the meta call's cache)
+        # sequence length), or a ShardTensor's global size marked dynamic by the user
+        # (``mark_dynamic``): a layout holds numbers, so the op runs eagerly (it raised a
+        # TypeError, in the meta call's cache or in a layout)
         graph_break(f"{func} with a tensor of symbolic size {tuple(shaped.shape)}")
     if dynamo and symbolic is not None and torch.Tag.pointwise not in func.tags:
         # an int dynamo made dynamic (``dynamic=True``, or a value that changed): a

@@ -115,7 +115,9 @@ def test_plain_tensors_of_new_sizes_recompile_exactly(ranks_for, world):
     """A plain tensor whose size changes between calls (a rotary table for a new sequence
     length): dynamo recompiles with that size symbolic (its automatic dynamic shapes), and
     the op that meets a ShardTensor runs eagerly, exact forward and backward (it failed on
-    every rank: a symbolic size in the meta call's cache key, a ``TypeError``)."""
+    every rank: a symbolic size in the meta call's cache key, a ``TypeError``). The same
+    with the ShardTensor's cut dim marked dynamic by the user (``mark_dynamic``: a
+    ``TypeError`` in a layout before)."""
 
     def body():
         from torch.distributed.tensor import Shard
@@ -124,7 +126,9 @@ def test_plain_tensors_of_new_sizes_recompile_exactly(ranks_for, world):
 
         mesh = shardlab.this_rank().mesh
         bad = []
-        for shape in ((1, 1, None, 4), (None, 4), (2, 3, None, 4)):  # None: T, the cut dim
+        shapes = ((1, 1, None, 4), (None, 4), (2, 3, None, 4))  # None: T, the cut dim
+        cases = [(shape, mark) for shape in shapes for mark in (False, True)]
+        for shape, mark in cases:
 
             def fn(x, c):
                 return (x * c + c.exp()).relu().sum(-1)
@@ -140,14 +144,17 @@ def test_plain_tensors_of_new_sizes_recompile_exactly(ranks_for, world):
                 want.sum().backward()
                 leaf_x, leaf_c = x.clone().requires_grad_(), c.clone().requires_grad_()
                 sizes = [t] if world == 1 else [t - t // 3, t // 3]
-                got = compiled(shardlab.distribute(leaf_x, mesh, [Shard(2)], sizes), leaf_c)
+                st = shardlab.distribute(leaf_x, mesh, [Shard(2)], sizes)
+                if mark:
+                    torch._dynamo.mark_dynamic(st, 2)
+                got = compiled(st, leaf_c)
                 got.sum().backward()
                 if not (
                     torch.allclose(got.full_tensor(), want)
                     and torch.allclose(leaf_x.grad, want_x.grad)
                     and torch.allclose(leaf_c.grad, want_c.grad)
                 ):
-                    bad.append((shape, t))
+                    bad.append((shape, mark, t))
         return bad
 
     assert ranks_for(world).run(body) == [[]] * world
