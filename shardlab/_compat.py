@@ -191,3 +191,21 @@ def all_gather_single(out, inp, group=None) -> None:
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp, group=group)
+
+
+COMPILED_AUTOGRAD = (
+    "shardlab: compiled autograd (torch._dynamo.compiled_autograd, "
+    "torch._dynamo.config.compiled_autograd=True) cannot trace a backward through "
+    "ShardTensors; run this backward without it (within "
+    "torch._dynamo.compiled_autograd._disable()): the backward of a "
+    "torch.compile'd forward is compiled without it"
+)
+
+
+def compiled_autograd_on() -> bool:
+    """Is torch's compiled autograd on (it traces whole backwards, on symbolic sizes)?
+    Read from its module if imported: never imported here (not imported: not on)."""
+    import sys
+
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(ca, "compiled_autograd_enabled", False))

@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Sequence
 
 from torch import Size as _Size
+from torch import SymInt as _SymInt
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -21,7 +22,14 @@ def as_int(name: str, value: object, minimum: int | None = None) -> int:
     if type(value) is int and (minimum is None or value >= minimum):
         return value  # the common case, without the abstract-class checks
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        said = f"{name} must be an int, got {type(value).__name__} {value!r}"
+        if isinstance(value, _SymInt):  # a size traced symbolically (torch.compile)
+            from shardlab import _compat
+
+            if _compat.compiled_autograd_on():  # a backward from a plain tensor
+                raise NotImplementedError(f"{_compat.COMPILED_AUTOGRAD} ({said})")
+            said += ": a layout holds numbers, never a size torch.compile made symbolic"
+        raise TypeError(said)
     result = int(value)
     if minimum is not None and result < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {result}")

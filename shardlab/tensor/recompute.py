@@ -182,17 +182,10 @@ def _no_compiled_autograd() -> None:
     """Compiled autograd (torch's option to trace the whole backward) cannot trace one
     through ShardTensors: its capture runs their ops on symbolic sizes, which a layout
     cannot hold. A clear error first, on every rank (a setting, never a shape)."""
-    import sys
+    from shardlab import _compat
 
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")  # (not imported: not on)
-    if getattr(ca, "compiled_autograd_enabled", False):
-        raise NotImplementedError(
-            "shardlab: compiled autograd (torch._dynamo.compiled_autograd, "
-            "torch._dynamo.config.compiled_autograd=True) cannot trace a backward through "
-            "ShardTensors; run this backward without it (within "
-            "torch._dynamo.compiled_autograd._disable()): the backward of a "
-            "torch.compile'd forward is compiled without it"
-        )
+    if _compat.compiled_autograd_on():
+        raise NotImplementedError(_compat.COMPILED_AUTOGRAD)
 
 
 def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):

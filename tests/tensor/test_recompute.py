@@ -424,7 +424,9 @@ def test_an_input_distributed_once_trains_two_steps(ranks_for, world):
 def test_compiled_autograd_says_it_cannot_trace_a_sharded_backward(ranks_for):
     """Compiled autograd around the backward of a compiled, sharded ``transformers`` Llama:
     shardlab's error on every rank (it failed with a ``TypeError`` on a symbolic size deep
-    in a layout); the same step without it then runs and equals the eager step."""
+    in a layout), for a backward from the ShardTensor loss and from plain tensors made of
+    it (``full_tensor()``, ``to_local()``); the same step without it then runs and equals
+    the eager step."""
     pytest.importorskip("transformers")
 
     def body():
@@ -449,6 +451,19 @@ def test_compiled_autograd_says_it_cannot_trace_a_sharded_backward(ranks_for):
             except NotImplementedError as exc:
                 said = "compiled autograd" in str(exc) and "_disable()" in str(exc)
             model.zero_grad(set_to_none=True)
+            for root in (
+                lambda out: out.loss.full_tensor(),
+                lambda out: out.logits.to_local().sum(),
+            ):
+                xs = {k: shardlab.distribute(v, *cut) for k, v in full.items()}
+                loss = root(compiled(**xs, labels=shardlab.distribute(labels, *cut)))
+                try:  # a plain tensor's backward, through ShardTensors
+                    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                        loss.backward()
+                    said = False
+                except NotImplementedError as exc:
+                    said = said and "compiled autograd" in str(exc) and "_disable()" in str(exc)
+                model.zero_grad(set_to_none=True)
             logits, grads = _zoo_step(compiled, full, labels, cut)
         same = torch.allclose(logits, eager[0]) and all(
             torch.allclose(a, b) for a, b in zip(grads, eager[1])
