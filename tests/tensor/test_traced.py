@@ -191,6 +191,103 @@ def test_a_compiled_decoder_takes_a_new_sequence_length(ranks_for):
     assert ranks_for(2).run(body) == [[], []]
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_tensor_parallel_module_compiles_exactly(ranks_for, world):
+    """An unchanged MLP whose ``Linear`` weights are cut by rows, then by columns (sizes
+    [6, 5]: column then row parallel), on a Replicate input, compiled with each backend:
+    two forward and backward passes equal one device, the output and every parameter's
+    gradient (float64)."""
+
+    def body():
+        import copy
+
+        import torch.nn as nn
+        from torch.distributed.tensor import Replicate, Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        sizes = [[6, 5]] if mesh.size() == 2 else [[11]]
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(8, 11), nn.GELU(), nn.Linear(11, 8), nn.LayerNorm(8))
+        ref = ref.double()
+        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        want = ref(x)
+        want.sum().backward()
+        bad = []
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            m = copy.deepcopy(ref)
+            m.zero_grad(set_to_none=True)
+            for mod, attr, dim in ((0, "weight", 0), (0, "bias", 0), (2, "weight", 1)):
+                p = getattr(m[mod], attr).detach()
+                cut = shardlab.distribute(p, mesh, [Shard(dim)], sizes)
+                setattr(m[mod], attr, nn.Parameter(cut))
+            compiled = torch.compile(m, backend=backend)
+            with shardlab.patched():
+                for _ in range(2):
+                    got = compiled(shardlab.distribute(x, mesh, [Replicate()]))
+                    got.sum().backward()
+            ok = torch.allclose(got.full_tensor(), want)
+            for p, q in zip(m.parameters(), ref.parameters()):
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                ok = ok and torch.allclose(g, 2 * q.grad)  # two backwards
+            if not ok:
+                bad.append(backend)
+        return bad
+
+    assert ranks_for(world).run(body) == [[]] * world
+
+
+def test_a_whole_compiled_train_step_equals_torchs(ranks_for):
+    """A whole training step compiled as one function (the zoo's Llama forward, its loss's
+    backward, an AdamW step), on ids cut unevenly over 2 ranks: the parameters after each
+    of three steps equal the same compiled step on one device, to the float32 of torch's
+    compiled step counts (atol 1e-7, lr 1e-2; float64 parameters). Measured: 2.7e-8 after
+    one step, 4.1e-8 after three; one device's compiled AdamW differs from its eager one
+    by 6.6e-8 after one step (where the 2.7e-8 comes from was not pinned down)."""
+    pytest.importorskip("transformers")
+
+    def body():
+        import copy
+
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from tests.models import _zoo
+
+        mesh = shardlab.this_rank().mesh
+        model, full, labels, dim = _zoo_batch("llama")
+        cut = (mesh, [Shard(dim)], _zoo.uneven(full["input_ids"].shape[dim], mesh.size()))
+
+        def compiled_step(m):
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+            def step(xs, lab):
+                m(**xs, labels=lab).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            return torch.compile(step, backend="aot_eager")
+
+        torch._dynamo.reset()
+        one, sharded = copy.deepcopy(model), model
+        step_one, step_sharded = compiled_step(one), compiled_step(sharded)
+        bad = []
+        with shardlab.patched():
+            for i in range(3):
+                step_one(full, labels)
+                xs = {k: shardlab.distribute(v, *cut) for k, v in full.items()}
+                step_sharded(xs, shardlab.distribute(labels, *cut))
+                for p, q in zip(sharded.parameters(), one.parameters()):
+                    if not torch.allclose(p, q, rtol=1e-6, atol=1e-7):
+                        bad.append(i)
+                        break
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
+
+
 def _tutorial_unet():
     """Tutorial 09's ``block`` and ``UNet``, as the notebook defines them."""
     source = (ROOT / "tutorials" / "09_capstone_unet.py").read_text()
