@@ -306,13 +306,12 @@ def check_ranks(func, args, kwargs) -> bool:
         if type(getattr(a, "_local_tensor", None)) is FakeTensor:
             dynamo = True
             cut = cut or a.device_mesh.size() != 1
-            if shaped is None and any(type(n) is torch.SymInt for n in a.shape):
-                shaped = a  # (``torch._dynamo.mark_dynamic`` on a ShardTensor)
+            if shaped is None and _symbolic_size(a):  # (``mark_dynamic`` on it)
+                shaped = a
         elif isinstance(a, SYMBOLIC):
             symbolic = a
-        elif type(a) is FakeTensor and shaped is None:
-            if any(type(n) is torch.SymInt for n in a.shape):
-                shaped = a
+        elif type(a) is FakeTensor and shaped is None and _symbolic_size(a):
+            shaped = a
     if cut:
         if (
             not TRACEABLE
@@ -339,6 +338,10 @@ def check_ranks(func, args, kwargs) -> bool:
         # changes no shape: it stays in the graph)
         graph_break(f"{func} with a symbolic argument ({symbolic})")
     return cut
+
+
+def _symbolic_size(t) -> bool:
+    return any(type(n) is torch.SymInt for n in t.shape)
 
 
 _QUIET: list = []  # not empty while dynamo runs an op on cut blocks: a message breaks
