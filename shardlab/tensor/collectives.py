@@ -12,15 +12,29 @@ would be in the graph. So each collective here checks its tensor once:
 
 ::
 
-    all_reduce(t, op, group)          -> t reduced over the group       (t, in place)
-    all_gather(t, group)              -> [t of group rank 0, 1, ...]
-    exchange(sends, to, recvs, from)  -> the received tensors            (point to point)
+    all_reduce(t, op, group, token)          -> [t reduced over the group, token']
+    all_gather(t, group, token)              -> [t of group rank 0, 1, ..., token']
+    exchange(sends, to, recvs, from, token)  -> [the received tensors, token']
 
 Groups travel by name (``ProcessGroup.group_name``; a message's: comma-separated, empty for
 the default group): a graph holds strings and ints only.
+
+**The token chain.** Each message of a traced graph takes the token (an empty tensor) the
+message before it returned, and returns the next::
+
+    empty() -> all_reduce(.., t0) -> t1 -> exchange(.., t1) -> t2 -> all_reduce(.., t2)
+
+A compiler may reorder what does not depend on each other; with uneven shards each rank
+compiles its own graph, and two ranks that ordered two messages differently would wait for
+each other (a hang: inductor did so with a ResNet's halos and statistics). The chain makes
+the order of the trace, the same on every rank, a data dependency. It runs through the
+whole trace (AOTAutograd's forward and backward: the backward's first message takes the
+forward's last token, which the forward saves).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -69,27 +83,28 @@ def _op_name(op) -> str:
 
 # -- the ops a graph holds ---------------------------------------------------------
 @torch.library.custom_op("shardlab::all_reduce", mutates_args=())
-def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, op: str, group: str, token: torch.Tensor) -> list[torch.Tensor]:
     out = t.contiguous().clone()
     dist.all_reduce(out, _OPS[op], group=_resolve_process_group(group))
-    return out
+    return [out, token.new_empty(0)]
 
 
 @_all_reduce.register_fake
-def _(t, op, group):
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
+def _(t, op, group, token):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format), token.new_empty(0)]
 
 
 @torch.library.custom_op("shardlab::all_gather", mutates_args=())
-def _all_gather(t: torch.Tensor, n: int, group: str) -> list[torch.Tensor]:
+def _all_gather(t: torch.Tensor, n: int, group: str, token: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
     dist.all_gather(out, t.contiguous(), group=_resolve_process_group(group))
-    return out
+    return [*out, token.new_empty(0)]
 
 
 @_all_gather.register_fake
-def _(t, n, group):
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
+def _(t, n, group, token):
+    out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
+    return [*out, token.new_empty(0)]
 
 
 @torch.library.custom_op("shardlab::exchange", mutates_args=())
@@ -99,6 +114,7 @@ def _exchange(
     recvs: list[torch.Tensor],
     sources: list[int],
     groups: str,
+    token: torch.Tensor,
 ) -> list[torch.Tensor]:
     from shardlab.tensor.comm import run_p2p
 
@@ -108,17 +124,58 @@ def _exchange(
     gs = gs[len(sends) :]
     ops += [dist.P2POp(dist.irecv, b, p, g) for b, p, g in zip(out, sources, gs)]
     run_p2p(ops)
-    return out
+    return [*out, token.new_empty(0)]
 
 
 @_exchange.register_fake
-def _(sends, to, recvs, sources, groups):
-    return [torch.empty_like(r, memory_format=torch.contiguous_format) for r in recvs]
+def _(sends, to, recvs, sources, groups, token):
+    out = [torch.empty_like(r, memory_format=torch.contiguous_format) for r in recvs]
+    return [*out, token.new_empty(0)]
 
 
 # a message is sent for its effect on another rank: never dropped as unused, never moved
 for _op in (_all_reduce, _all_gather, _exchange):
     torch.fx.node.has_side_effect(_op._opoverload)
+
+
+_CHAIN: list = [None, None]  # [the proxy mode tracing now, the last message's token]
+
+
+def _token(like: torch.Tensor) -> torch.Tensor:
+    """The token the last message of this trace returned (a new chain for a new trace;
+    outside a trace, dynamo's run on fake blocks, nothing to order: a fresh one)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    if mode is None or _CHAIN[0] is not mode:
+        _CHAIN[0], _CHAIN[1] = mode, torch.empty(0, device=like.device)
+    return _CHAIN[1]
+
+
+def _chain(token: torch.Tensor) -> None:
+    if _CHAIN[0] is not None:
+        _CHAIN[1] = token
+
+
+@contextlib.contextmanager
+def _kept_in_place():
+    """A message traced in the backward stays in the backward graph, one traced in the
+    forward in the forward graph (AOTAutograd's partitioner tags). Otherwise the
+    partitioner may move a backward message that needs no gradient on this rank (a rank
+    that only receives) into the forward graph, where the other ranks do not post it."""
+    from torch.fx import traceback as fx_traceback
+
+    if not fx_traceback.has_preserved_node_meta():
+        yield
+        return
+    meta = fx_traceback.current_meta
+    was = meta.get("partitioner_tag")
+    backward = was in ("is_backward", "must_be_in_backward")
+    meta["partitioner_tag"] = "must_be_in_backward" if backward else "must_be_in_forward"
+    try:
+        yield
+    finally:
+        meta["partitioner_tag"] = was
 
 
 # -- what shardlab calls -----------------------------------------------------------
@@ -128,7 +185,10 @@ def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tens
     if not is_traced(t):
         dist.all_reduce(t, op, group=group)
         return t
-    return t.copy_(torch.ops.shardlab.all_reduce(t, _op_name(op), _name(group)))
+    with _kept_in_place():
+        out, token = torch.ops.shardlab.all_reduce(t, _op_name(op), _name(group), _token(t))
+    _chain(token)
+    return t.copy_(out)
 
 
 def all_gather(out: list, t: torch.Tensor, group=None) -> list:
@@ -137,7 +197,10 @@ def all_gather(out: list, t: torch.Tensor, group=None) -> list:
     if not is_traced(t):
         dist.all_gather(out, t, group=group)
         return out
-    for o, r in zip(out, torch.ops.shardlab.all_gather(t, len(out), _name(group))):
+    with _kept_in_place():
+        *got, token = torch.ops.shardlab.all_gather(t, len(out), _name(group), _token(t))
+    _chain(token)
+    for o, r in zip(out, got):
         o.copy_(r)
     return out
 
@@ -151,13 +214,17 @@ def exchange(ops: list) -> bool:
     sending(ops[0].tensor)
     sends = [op for op in ops if op.op is dist.isend]
     recvs = [op for op in ops if op.op is not dist.isend]
-    got = torch.ops.shardlab.exchange(
-        [op.tensor for op in sends],
-        [op.peer for op in sends],
-        [op.tensor for op in recvs],
-        [op.peer for op in recvs],
-        ",".join(op.group.group_name if op.group is not None else "" for op in sends + recvs),
-    )
+    with _kept_in_place():
+        got = torch.ops.shardlab.exchange(
+            [op.tensor for op in sends],
+            [op.peer for op in sends],
+            [op.tensor for op in recvs],
+            [op.peer for op in recvs],
+            ",".join(op.group.group_name if op.group is not None else "" for op in sends + recvs),
+            _token(ops[0].tensor),
+        )
+    *got, token = got
+    _chain(token)
     for op, r in zip(recvs, got):
         op.tensor.copy_(r)
     return True
