@@ -23,6 +23,7 @@ __all__ = [
     "distribute",
     "enable",
     "explain",
+    "messages_in_graphs",
     "patched",
     "scatter_tensor",
     "this_rank",
@@ -40,6 +41,7 @@ _LAZY = {
     "enable": "shardlab.patch",
     "disable": "shardlab.patch",
     "patched": "shardlab.patch",
+    "messages_in_graphs": "shardlab.tensor.traced",
 }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import torch
 import torch.nn.functional as F
 import wrapt
 
@@ -120,9 +121,47 @@ def _traced_router(name: str, original):
             return original(*args, **kwargs)
         if traced.TRACEABLE and _traced_cut(name, args, kwargs):  # torch's, on ShardTensors:
             return original(*args, **kwargs)  # traced where it sends nothing (check_ranks)
+        if traced.in_graphs() and name in _TRACED_CALLS:  # messages_in_graphs()
+            return _traced_call(name, args, kwargs)
         return call(name, args, kwargs)
 
     return routed
+
+
+_TRACED_CALLS: dict = {}  # name -> the sharded call, nonstrict-traced (made by enable())
+
+
+def _nonstrict(name: str):
+    """The sharded ``F.<name>`` as one call in dynamo's graph, which AOTAutograd traces
+    through (torch's ``nonstrict_trace``: dynamo must meet it made, outside the code it
+    compiles). Its arguments are tensors and numbers only: ``None`` s travel as their
+    positions (``nones``), keyword arguments as their names (``keys``)."""
+    from shardlab.ops.registry import dispatch
+
+    def sharded_call(n_args: int, keys: tuple, nones: tuple, *values):
+        values = list(values)
+        for i in nones:
+            values.insert(i, None)
+        args, kwargs = tuple(values[:n_args]), dict(zip(keys, values[n_args:]))
+        if not traced.dynamo_blocks(values):  # eagerly (dynamo broke the graph here), or
+            return dispatch(name, args, kwargs)  # AOTAutograd tracing (see below)
+        try:  # dynamo's run on its fake blocks: where it decides the graph's breaks
+            out, failed = dispatch(name, args, kwargs), None
+        except Exception as e:  # noqa: BLE001  (raised again below, on every rank)
+            out, failed = None, e
+        traced.agree(name, args, failed)
+        return out
+
+    sharded_call.__name__ = sharded_call.__qualname__ = f"sharded_{name}"
+    return torch._dynamo.nonstrict_trace(sharded_call)
+
+
+def _traced_call(name: str, args, kwargs):
+    # (a torch.Size as a plain tuple of ints: what a nonstrict-traced call takes)
+    values = [tuple(v) if type(v) is torch.Size else v for v in (*args, *kwargs.values())]
+    nones = tuple(i for i, v in enumerate(values) if v is None)
+    rest = [v for v in values if v is not None]
+    return _TRACED_CALLS[name](len(args), tuple(kwargs), nones, *rest)
 
 
 def _wrapper(name: str, original):
@@ -163,6 +202,8 @@ def enable() -> None:
             _ORIGINALS[name] = original
             setattr(F, name, _wrapper(name, original))
         _hook_natten()
+        if traced.TRACEABLE and not _TRACED_CALLS:  # (for messages_in_graphs())
+            _TRACED_CALLS.update({name: _nonstrict(name) for name in PATCHED_NAMES})
 
 
 def disable() -> None:

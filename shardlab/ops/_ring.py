@@ -63,7 +63,18 @@ from shardlab.tensor import collectives
 from shardlab.tensor._once import first_order
 from shardlab.tensor.comm import post
 from shardlab.tensor.recompute import fenced, kept
+from shardlab.tensor.traced import cpu_numbers
 from shardlab.trace import label
+
+
+def _on(pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """CPU positions on ``like``'s device; while torch.compile traces (``like`` a traced
+    tensor), a constant of the graph."""
+    if type(like) is torch.Tensor:
+        return pos.to(like.device)
+    with cpu_numbers():
+        values = pos.tolist()
+    return torch.tensor(values, dtype=pos.dtype, device=like.device)
 
 
 @dataclass
@@ -107,7 +118,8 @@ class RingPlan:
             return False
         if self.q_pos is None:
             return True
-        return bool(self.q_pos.max() >= self.kv_pos[j].min())
+        with cpu_numbers():  # (also while torch.compile traces)
+            return bool(self.q_pos.max() >= self.kv_pos[j].min())
 
     def how(self, j: int, q: torch.Tensor, v: torch.Tensor) -> tuple[str, list | None]:
         """(what block j runs in, its fused pieces): ``("skipped", None)``,
@@ -133,6 +145,10 @@ class RingPlan:
         everything = slice(0, q.shape[-2]), slice(0, v.shape[-2])
         if self.q_pos is None:
             return [(*everything, False)]
+        with cpu_numbers():  # (also while torch.compile traces)
+            return self._pieces(j)
+
+    def _pieces(self, j: int) -> list:
         pieces = []
         for qs, qp in _runs(self.q_pos):
             for ks, kp in _runs(self.kv_pos[j]):
@@ -161,7 +177,7 @@ class RingPlan:
             m = self.block_mask(j)  # block j's columns
             s = s.masked_fill_(~m, NEG_INF) if m.dtype == torch.bool else s.add_(m)
         if self.q_pos is not None:  # causal, by true positions
-            q_pos, kv_pos = (x.to(s.device) for x in (self.q_pos, self.kv_pos[j]))
+            q_pos, kv_pos = (_on(x, s) for x in (self.q_pos, self.kv_pos[j]))
             s = s.masked_fill_(kv_pos[None, :] > q_pos[:, None], NEG_INF)  # (S_q, S_kv_j)
         return s
 

@@ -82,6 +82,7 @@ from shardlab.ops._ring import RingAttention, RingPlan
 from shardlab.ops.halo import peers_along
 from shardlab.ops.registry import register
 from shardlab.tensor.api import build_sizes, stride_like
+from shardlab.tensor.traced import cpu_numbers
 
 __all__ = [
     "balance",
@@ -255,9 +256,10 @@ def attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     q_pos = kv_pos = drop = None
     if is_causal:  # true positions of my query rows and of every K/V block (on the CPU)
         a, b = ql.local_box(coord)[seq]
-        q_pos = _positions(ql, seq, mesh)[a:b]
-        kv_all = _positions(kl, seq, mesh)
-        kv_pos = [kv_all[s : s + n] for s, n in zip(kv_starts, kv_sizes)]
+        with cpu_numbers():  # (plain tensors, also while torch.compile traces)
+            q_pos = _positions(ql, seq, mesh)[a:b]
+            kv_all = _positions(kl, seq, mesh)
+            kv_pos = [kv_all[s : s + n] for s, n in zip(kv_starts, kv_sizes)]
     if dropout_p:
         drop = dropout_mask(dropout_p, seed, ql, kl, mesh, coord)
     mask_l = local_mask(attn_mask, query, key, mesh, coord)  # (.., S_local_q, S_kv)

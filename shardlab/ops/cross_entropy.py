@@ -235,10 +235,15 @@ class _CrossEntropy(torch.autograd.Function):
                 ctx.denom = denom if plan.reduction == "mean" else 1.0
                 out = total / ctx.denom
             out = out.to(x.dtype)
-        if not plan.probs and bad.any():  # after the collectives: every rank got here
-            raise IndexError(f"Target {int(tk[bad][0])} is out of bounds.")
-        if n_bad:
-            raise IndexError("Target out of bounds: an index outside [0, C) on another rank.")
+        if collectives.is_traced(x):  # a compiled graph checks it when it runs (a count
+            if not plan.probs:  # summed over the ranks: on every rank)
+                ok = ~bad.any() if plan.reduction == "none" else n_bad == 0
+                torch._assert_async(ok, "Target out of bounds: an index outside [0, C)")
+        else:
+            if not plan.probs and bad.any():  # after the collectives: every rank got here
+                raise IndexError(f"Target {int(tk[bad][0])} is out of bounds.")
+            if n_bad:
+                raise IndexError("Target out of bounds: an index outside [0, C) on another rank.")
         ctx.plan, ctx.wv = plan, wv
         return out
 

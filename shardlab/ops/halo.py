@@ -186,9 +186,10 @@ class WindowRecipe:
         return x
 
     def hooks(self, window: torch.Tensor):
-        if self.block is None or not self.stages:
+        if self.block is None or not self.stages or type(window) is not torch.Tensor:
             # nothing to rebuild from: no hooks, so an enclosing activation checkpoint's
-            # own hooks see (and drop) what the op saves
+            # own hooks see (and drop) what the op saves; traced by torch.compile, the
+            # compiler chooses what the graph saves
             return contextlib.nullcontext()
         ptr, shape = window.data_ptr(), window.shape
 

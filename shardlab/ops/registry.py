@@ -44,11 +44,12 @@ def supported() -> list[str]:
     return sorted(HANDLERS)
 
 
-@traced.eager
-def call(name: str, args, kwargs):
+def dispatch(name: str, args, kwargs):
     """``F.<name>(*args, **kwargs)`` with ShardTensor (or plain DTensor) arguments:
     the arguments prepared (:func:`shardlab.tensor.interop.prepare`: DTensors adopted,
-    Partial values reduced, strided dims made consecutive), then the handler."""
+    Partial values reduced, strided dims made consecutive), then the handler. What
+    :mod:`shardlab.patch` calls is :func:`call` (eager under ``torch.compile``), or this
+    traced through inside ``shardlab.messages_in_graphs()``."""
     from shardlab.tensor.autocast import autocast_call
     from shardlab.tensor.interop import prepare
 
@@ -66,6 +67,9 @@ def call(name: str, args, kwargs):
         if out is not NotImplemented:
             return out
     return autocast_call(name, original(name), handler, args, kwargs, device_type(args, kwargs))
+
+
+call = traced.eager(dispatch)  # runs eagerly when reached from compiled code
 
 
 def original(name: str) -> Callable:

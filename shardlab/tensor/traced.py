@@ -29,20 +29,26 @@ What dynamo and AOTAutograd see::
   halo with rank 1's all-reduce (a hang). Traced anyway (``aot_function``, ``make_fx``),
   the collectives are graph nodes that send the same messages when the graph runs
   (:mod:`shardlab.tensor.collectives`), never skipped.
+* **Inside** :class:`messages_in_graphs` **(opt-in) the messages are in the graphs too**:
+  ops that send are traced, a patched ``F`` call is one nonstrict-traced call, the
+  messages of a graph are chained by a token (one order on every rank) and kept in their
+  pass (forward or backward), and the ranks agree before a call breaks (:func:`agree`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 
 __all__ = [
-    "COMPILED", "TRACEABLE", "Placements", "breaks_on_messages", "check", "check_ranks",
+    "COMPILED", "TRACEABLE", "Placements", "agree", "breaks_on_messages", "check",
+    "check_ranks", "cpu_numbers", "dynamo_blocks",
     "cut_by_dynamo", "eager", "entry", "faked", "graph_break", "layout_of", "one_rank",
-    "guessing", "message_traced", "outside_modes", "placements", "pooled_mean", "prepare",
-    "sends_break", "SYMBOLIC", "tracing",
+    "guessing", "in_graphs", "message_traced", "messages_in_graphs", "outside_modes",
+    "placements", "pooled_mean", "prepare", "sends_break", "SYMBOLIC", "tracing",
 ]  # fmt: skip
 
 tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is installed
@@ -206,6 +212,15 @@ def outside_modes():
     return _disable_current_modes()
 
 
+def cpu_numbers():
+    """For plain tensors of numbers that decisions read (positions on the CPU), also
+    while torch.compile traces: :func:`outside_modes` when a mode is active (under a
+    fake mode any op, on any tensor, would give a tensor without values)."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return contextlib.nullcontext()
+    return outside_modes()
+
+
 def faked(args) -> bool:
     """True if the first ShardTensor among ``args`` holds a fake block (dynamo's or
     AOTAutograd's tracing)."""
@@ -299,6 +314,7 @@ def check_ranks(func, args, kwargs) -> bool:
 
     from shardlab.tensor.aten._common import tree_leaves
 
+    whole = bool(_IN_GRAPHS)  # messages_in_graphs(): an op that sends is traced too
     dynamo, cut, symbolic = False, False, None  # dynamo's fake blocks; a symbolic scalar
     shaped = None  # a tensor of symbolic size
     leaves = tree_leaves((args, kwargs))
@@ -320,8 +336,9 @@ def check_ranks(func, args, kwargs) -> bool:
             or torch.Tag.nondeterministic_seeded in func.tags  # shardlab draws its own
         ):  # random values for the global tensor, the same on any mesh
             graph_break(f"{func} on a ShardTensor cut over several ranks")
-        _local_backward(func, leaves)
-        _strided_slice(func, args)
+        if not whole:  # a message in the backward breaks nothing there
+            _local_backward(func, leaves)
+            _strided_slice(func, args)
     if dynamo and _SAVES_MESH and torch.Tag.nondeterministic_seeded in func.tags:
         if _in_checkpointed_region():  # (attention's kernels are tagged so)
             graph_break(f"{func} in an activation-checkpointed region (torch < 2.15)")
@@ -337,11 +354,94 @@ def check_ranks(func, args, kwargs) -> bool:
         # layout holds numbers, so the op runs eagerly (a scalar of an element-wise op
         # changes no shape: it stays in the graph)
         graph_break(f"{func} with a symbolic argument ({symbolic})")
-    return cut
+    return cut and not whole
 
 
 def _symbolic_size(t) -> bool:
     return any(type(n) is torch.SymInt for n in t.shape)
+
+
+_IN_GRAPHS: list = []  # not empty inside messages_in_graphs()
+
+
+class messages_in_graphs:
+    """Compile sharded code with its messages inside the graphs (torch 2.13 on).
+
+    ::
+
+        with shardlab.patched(), shardlab.messages_in_graphs():
+            compiled = torch.compile(model)
+            compiled(**batch).loss.backward()   # ResNet, Llama: one graph, no break
+
+    By default a compiled graph holds no collective: every op that sends (a halo, an
+    all-reduce, the ring of attention) breaks the graph and runs eagerly. Inside this
+    scope, while torch.compile traces, they are traced too:
+
+    * an op on ShardTensors that sends is traced as any other (its messages are
+      ``shardlab::`` ops of the graph, ``shardlab/tensor/collectives.py``), and so are the
+      messages of its backward;
+    * a patched ``torch.nn.functional`` call (a convolution's halos, ring attention,
+      cross-entropy's sums) is one call in dynamo's graph (torch's
+      ``nonstrict_trace``), which AOTAutograd traces through, forward and backward;
+    * the messages of a graph are chained by a token in the order they were traced,
+      the same on every rank, so no compiler can reorder them (a hang).
+
+    What reads data stays eager (a graph break): ``.item()``, random draws (dropout), a
+    layout of symbolic sizes, ops that write in place. Errors that eager code raises
+    after reading data (a target out of bounds) are checked when the graph runs, on every
+    rank (``torch._assert_async``: a ``RuntimeError``). Before torch 2.13 (no traceable
+    ShardTensor) the scope changes nothing. What it decides is read when torch.compile
+    traces: a graph compiled inside it keeps its messages when called outside.
+    """
+
+    def __enter__(self):
+        _IN_GRAPHS.append(True)
+        return self
+
+    def __exit__(self, *exc):
+        _IN_GRAPHS.pop()
+
+
+def dynamo_blocks(values) -> bool:
+    """Is a ShardTensor among ``values`` one dynamo runs on (its fake blocks; not
+    AOTAutograd's functional ones, nor real ones)?"""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(type(getattr(v, "_local_tensor", None)) is FakeTensor for v in values)
+
+
+def agree(name: str, args, failed: BaseException | None) -> None:
+    """Inside :class:`messages_in_graphs`, after dynamo ran the sharded ``F.<name>`` on
+    its fake blocks (where it decides where a graph breaks): did it run on every rank? One
+    all-reduce over the mesh at compile time (every rank's dynamo runs the same calls of
+    the same frames; AOTAutograd's tracing is not asked, since one rank may take its graph
+    from a cache), then every rank raises if one failed, so all break their graphs at this
+    call (a rank that traced it alone would post messages the others do not)."""
+    import torch.distributed as dist
+
+    mesh = next((a.device_mesh for a in args if hasattr(a, "device_mesh")), None)
+    if mesh is None or mesh.size() == 1:
+        if failed is not None:
+            raise failed
+        return
+    with outside_modes():
+        device = "cpu" if mesh.device_type == "cpu" else torch.device(mesh.device_type)
+        ok = torch.tensor([0 if failed is not None else 1], device=device)
+        for m in range(mesh.ndim):
+            dist.all_reduce(ok, dist.ReduceOp.MIN, group=mesh.get_group(m))
+        ok = bool(ok.item())
+    if failed is not None:
+        raise failed
+    if not ok:
+        raise RuntimeError(
+            f"shardlab: another rank could not trace torch.nn.functional.{name} into a "
+            "compiled graph: every rank runs it eagerly"
+        )
+
+
+def in_graphs() -> bool:
+    """Inside :class:`messages_in_graphs` on a torch that traces ShardTensors."""
+    return TRACEABLE and bool(_IN_GRAPHS)
 
 
 _QUIET: list = []  # not empty while dynamo runs an op on cut blocks: a message breaks
@@ -398,7 +498,7 @@ def message_traced(t) -> None:
     as :mod:`shardlab.tensor.collectives` describes."""
     from torch._guards import TracingContext
 
-    if _GUESSES or TracingContext.try_get() is None:
+    if _GUESSES or _IN_GRAPHS or TracingContext.try_get() is None:
         return
     from torch._subclasses.fake_tensor import FakeTensor
 

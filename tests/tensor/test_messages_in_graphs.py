@@ -1,0 +1,248 @@
+"""``shardlab.messages_in_graphs()`` (``shardlab/tensor/traced.py``): compiled with it, the
+collectives and halos of sharded code are ops of the compiled graphs (no graph break at
+them), chained in one order on every rank; the results equal the uncompiled sharded call
+and one device, forward and backward, with ``aot_eager`` and inductor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tensor.test_traced import _traceable, _zoo_batch, _zoo_step
+
+needs_traceable = pytest.mark.skipif(
+    not _traceable(), reason="torch < 2.13: each ShardTensor op runs eagerly (traced.py)"
+)
+
+# ops on a tensor cut along dim 0: reductions whose result stays Partial (summed when it
+# is read, here after the graph), and ops that send inside the graph: all-reduces (softmax),
+# a scan along the cut dim, a halo exchange (a patched convolution)
+OPS = {
+    "mean": lambda t: t.mean(),
+    "sum(0)": lambda t: t.sum(0),
+    "softmax(0)": lambda t: t.softmax(0),
+    "cumsum(0)": lambda t: t.cumsum(0) * 2,
+    "conv1d": lambda t: torch.nn.functional.conv1d(
+        t.T.unsqueeze(0), torch.ones(2, 6, 3, dtype=t.dtype), padding=1
+    ),
+}
+
+
+def _recording_backend(targets=None, graphs=None):
+    """aot_eager (AOTAutograd with the partitioner inductor uses) whose graphs, or their
+    node targets, are recorded."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, example_inputs):
+        if targets is not None:
+            targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        if graphs is not None:
+            graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(
+        fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition
+    )
+
+
+def _breaks_and_graphs():
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+@needs_traceable
+@pytest.mark.timeout(600)
+def test_ops_that_send_compile_into_one_graph(ranks_for):
+    """Each op alone, cut [7, 3], then [5, 5] and [7, 3] again (a graph per layout): one
+    graph, no break, its messages in the graph, equal to torch."""
+
+    def body():
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        x = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        bad = []
+        for backend in ("aot_eager", "inductor"):
+            for name, fn in OPS.items():
+                torch._dynamo.reset()
+                counters.clear()
+                targets = []
+                be = _recording_backend(targets) if backend == "aot_eager" else backend
+                want_x = x.clone().requires_grad_()
+                want = fn(want_x)
+                (want * want).sum().backward()
+                with shardlab.patched(), shardlab.messages_in_graphs():
+                    compiled = torch.compile(fn, backend=be)
+                    for sizes in ([[7, 3]], [[5, 5]], [[7, 3]]):
+                        leaf = x.clone().requires_grad_()
+                        out = compiled(shardlab.distribute(leaf, mesh, [Shard(0)], sizes))
+                        (out * out).sum().backward()
+                        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+                        same = torch.allclose(out, want)
+                        if not (same and torch.allclose(leaf.grad, want_x.grad)):
+                            bad.append((backend, name, sizes, "differs from torch"))
+                breaks, graphs = _breaks_and_graphs()
+                if breaks or graphs != 2:  # [7, 3] and [5, 5]: two layouts, two graphs
+                    bad.append((backend, name, "breaks", breaks, "graphs", graphs))
+                sends = name not in ("mean", "sum(0)")
+                if (
+                    backend == "aot_eager"
+                    and sends
+                    and not any(t.startswith("shardlab.") for t in targets)
+                ):
+                    bad.append((name, "no message in the graphs"))
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
+
+
+@needs_traceable
+def test_a_graphs_messages_are_chained_in_the_order_traced(ranks_for):
+    """Every message of a graph takes the token the one before it returned, so no
+    compiler can reorder them; the backward's first takes the forward's last."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        graphs = []
+
+        def fn(t):  # a softmax along the cut dim (two all-reduces), a halo exchange
+            halo = torch.nn.functional.conv1d(
+                t.T.unsqueeze(0), torch.ones(1, 6, 3, dtype=t.dtype), padding=1
+            )
+            return (t.softmax(0) * t).sum() + halo.sum()
+
+        x = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+        with shardlab.patched(), shardlab.messages_in_graphs():
+            compiled = torch.compile(fn, backend=_recording_backend(graphs=graphs))
+            compiled(shardlab.distribute(x, mesh, [Shard(0)], [[7, 3]])).backward()
+        chains = []
+        for gm in graphs:
+            nodes = [n for n in gm.graph.nodes if str(n.target).startswith("shardlab.")]
+            # the token a message takes is an item of what the message before returned
+            links = [
+                after.args[-1].op == "call_function" and after.args[-1].args[0] is before
+                for before, after in zip(nodes, nodes[1:])
+            ]
+            chains.append((len(nodes), all(links), nodes[0].args[-1].op if nodes else None))
+        return chains
+
+    for chains in ranks_for(2).run(body):
+        forward, backward = chains
+        assert forward[0] >= 3 and forward[1], chains  # 2 all-reduces and an exchange
+        assert backward[0] >= 1 and backward[1], chains
+        assert backward[2] == "placeholder", chains  # the forward's last token, saved
+
+
+@needs_traceable
+@pytest.mark.timeout(900)
+def test_transformers_models_compile_with_their_messages(ranks_for):
+    """The zoo's ResNet and Llama, unchanged, cut over 2 uneven ranks: logits and every
+    gradient equal the eager sharded step and one device; graph breaks at most one per
+    collective of the forward (Llama: none), the messages inside the graphs. (The zoo's
+    ViT does not run in this scope yet: its ranks post their messages in other orders.)"""
+    pytest.importorskip("transformers")
+
+    def body():
+        import copy
+
+        import torch.distributed as dist
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+        from tests.models import _zoo
+
+        mesh = shardlab.this_rank().mesh
+        bad = []
+        for name in ("resnet", "llama"):
+            model, full, labels, dim = _zoo_batch(name)
+            sizes = _zoo.uneven(next(iter(full.values())).shape[dim], mesh.size())
+            cut = (mesh, [Shard(dim)], sizes)
+            one = _zoo_step(copy.deepcopy(model), full, labels) if dist.get_rank() == 0 else None
+            with shardlab.patched():
+                with shardlab.trace() as t:
+                    model(**{k: shardlab.distribute(v, *cut) for k, v in full.items()})
+                sent = len([e for e in t.events if e.rank == dist.get_rank()])
+                model.zero_grad(set_to_none=True)
+            for backend in ("inductor", _recording_backend(targets := [])):
+                torch._dynamo.reset()
+                counters.clear()
+                with shardlab.patched(), shardlab.messages_in_graphs():
+                    eager = _zoo_step(model, full, labels, cut)
+                    compiled_model = torch.compile(model, backend=backend)
+                    steps = [_zoo_step(compiled_model, full, labels, cut) for _ in range(2)]
+                breaks, _ = _breaks_and_graphs()
+                if breaks > sent or (name == "llama" and breaks):
+                    bad.append((name, "breaks", breaks, "messages", sent))
+                for logits, grads in steps:
+                    same = torch.allclose(logits, eager[0]) and len(grads) == len(eager[1])
+                    same = same and all(torch.allclose(a, b) for a, b in zip(grads, eager[1]))
+                    if one is not None:
+                        same = same and torch.allclose(logits, one[0])
+                        same = same and all(torch.allclose(a, b) for a, b in zip(grads, one[1]))
+                    if not same:
+                        d = (logits - eager[0]).abs().max().item()
+                        bad.append((name, str(backend)[:20], d))
+            if not any(t.startswith("shardlab.") for t in targets):
+                bad.append((name, "no message in the graphs"))
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
+
+
+@needs_traceable
+def test_a_target_out_of_bounds_raises_on_every_rank(ranks_for):
+    """A compiled graph cannot raise torch's IndexError where eager code reads the
+    targets: it checks them when it runs, on every rank (a RuntimeError), never a hang."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        logits = torch.randn(10, 5, dtype=torch.float64)
+        target = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4])
+
+        def loss(x, t):
+            return torch.nn.functional.cross_entropy(x, t)
+
+        with shardlab.patched(), shardlab.messages_in_graphs():
+            compiled = torch.compile(loss, backend="aot_eager")
+            cut = (mesh, [Shard(0)], [[7, 3]])
+            good = compiled(shardlab.distribute(logits, *cut), shardlab.distribute(target, *cut))
+            want = torch.nn.functional.cross_entropy(logits, target)
+            ok = torch.allclose(good.full_tensor(), want)
+            bad_target = target.clone()
+            bad_target[8] = 7  # on rank 1 only
+            try:
+                compiled(shardlab.distribute(logits, *cut), shardlab.distribute(bad_target, *cut))
+            except RuntimeError as e:
+                return ok, "out of bounds" in str(e)
+        return ok, "no error"
+
+    assert ranks_for(2).run(body) == [(True, True), (True, True)]
+
+
+def test_the_scope_is_left_as_it_was():
+    import shardlab
+    from shardlab.tensor import traced
+
+    assert not traced._IN_GRAPHS
+    with shardlab.messages_in_graphs():
+        with shardlab.messages_in_graphs():
+            assert traced._IN_GRAPHS
+        assert traced.in_graphs() == traced.TRACEABLE
+    assert not traced._IN_GRAPHS and not traced.in_graphs()
+    with pytest.raises(ZeroDivisionError), shardlab.messages_in_graphs():
+        raise ZeroDivisionError
+    assert not traced._IN_GRAPHS
