@@ -24,6 +24,7 @@ traced (one graph); cut over several ranks each ShardTensor op runs eagerly betw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -38,7 +39,7 @@ from benchmarks._common import ranks_on, synchronize, where  # noqa: E402
 from tests.models import _zoo  # noqa: E402
 
 
-def body(name: str, backend: str, repeats: int, nested: bool = False):
+def body(name: str, backend: str, repeats: int, nested: bool = False, whole: bool = False):
     import torch.distributed as dist
     from torch._dynamo.utils import counters
     from torch.distributed.tensor import Shard
@@ -80,7 +81,8 @@ def body(name: str, backend: str, repeats: int, nested: bool = False):
         model.zero_grad(set_to_none=True)
         return took, out.logits.detach().full_tensor(), grads
 
-    with shardlab.patched(), torch._dynamo.config.patch(nested_graph_breaks=nested):
+    whole_graphs = shardlab.messages_in_graphs() if whole else contextlib.nullcontext()
+    with shardlab.patched(), torch._dynamo.config.patch(nested_graph_breaks=nested), whole_graphs:
         _, logits_e, grads_e = step(model)  # warm-up (and the decision caches)
         warm = [step(model)[0] for _ in range(3)]
         compiled_model = torch.compile(model, backend=backend)
@@ -137,13 +139,26 @@ def main(argv=None):
         help="dynamo resumes a nested frame after a graph break inside it "
         "(torch._dynamo.config.nested_graph_breaks) instead of breaking every frame above",
     )
+    parser.add_argument(
+        "--messages-in-graphs",
+        action="store_true",
+        help="compile inside shardlab.messages_in_graphs(): collectives and halos are ops "
+        "of the compiled graphs instead of graph breaks",
+    )
     args = parser.parse_args(argv)
     rows, backends = [], []
     for world in [int(w) for w in args.ranks.split(",")]:
         with ranks_on(world, args.device, timeout=600) as ranks:
             backends.append(f"{world}: {ranks.backend}")
             for name in args.models.split(","):
-                res = ranks.run(body, name, args.backend, args.repeats, args.nested_graph_breaks)
+                res = ranks.run(
+                    body,
+                    name,
+                    args.backend,
+                    args.repeats,
+                    args.nested_graph_breaks,
+                    args.messages_in_graphs,
+                )
                 r0 = res[0]
                 rows.append(
                     (
@@ -163,7 +178,10 @@ def main(argv=None):
                 )
     print(
         f"torch {torch.__version__}, backend {args.backend}, ranks ({', '.join(backends)}) "
-        f"{where(args.device)}, float32, forward + backward of the model's loss\n"
+        f"{where(args.device)}, float32, forward + backward of the model's loss"
+        + (", inside shardlab.messages_in_graphs()" if args.messages_in_graphs else "")
+        + (", nested graph breaks" if args.nested_graph_breaks else "")
+        + "\n"
     )
     print(
         "| model | ranks | eager ms | compiled ms | compiled / eager | compile s | graphs "
