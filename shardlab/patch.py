@@ -149,7 +149,7 @@ def _nonstrict(name: str):
             out, failed = dispatch(name, args, kwargs), None
         except Exception as e:  # noqa: BLE001  (raised again below, on every rank)
             out, failed = None, e
-        traced.agree(name, args, failed)
+        traced.agree(name, values, failed)  # (the ShardTensors may be keyword arguments)
         return out
 
     sharded_call.__name__ = sharded_call.__qualname__ = f"sharded_{name}"

@@ -371,7 +371,7 @@ class messages_in_graphs:
 
         with shardlab.patched(), shardlab.messages_in_graphs():
             compiled = torch.compile(model)
-            compiled(**batch).loss.backward()   # ResNet, Llama: one graph, no break
+            compiled(**batch).loss.backward()   # Llama, ViT: one graph, no break
 
     By default a compiled graph holds no collective: every op that sends (a halo, an
     all-reduce, the ring of attention) breaks the graph and runs eagerly. Inside this
@@ -410,7 +410,7 @@ def dynamo_blocks(values) -> bool:
     return any(type(getattr(v, "_local_tensor", None)) is FakeTensor for v in values)
 
 
-def agree(name: str, args, failed: BaseException | None) -> None:
+def agree(name: str, values, failed: BaseException | None) -> None:
     """Inside :class:`messages_in_graphs`, after dynamo ran the sharded ``F.<name>`` on
     its fake blocks (where it decides where a graph breaks): did it run on every rank? One
     all-reduce over the mesh at compile time (every rank's dynamo runs the same calls of
@@ -419,7 +419,7 @@ def agree(name: str, args, failed: BaseException | None) -> None:
     call (a rank that traced it alone would post messages the others do not)."""
     import torch.distributed as dist
 
-    mesh = next((a.device_mesh for a in args if hasattr(a, "device_mesh")), None)
+    mesh = next((a.device_mesh for a in values if hasattr(a, "device_mesh")), None)
     if mesh is None or mesh.size() == 1:
         if failed is not None:
             raise failed
