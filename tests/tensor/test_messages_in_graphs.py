@@ -145,10 +145,10 @@ def test_a_graphs_messages_are_chained_in_the_order_traced(ranks_for):
 @needs_traceable
 @pytest.mark.timeout(900)
 def test_transformers_models_compile_with_their_messages(ranks_for):
-    """The zoo's ResNet and Llama, unchanged, cut over 2 uneven ranks: logits and every
-    gradient equal the eager sharded step and one device; graph breaks at most one per
-    collective of the forward (Llama: none), the messages inside the graphs. (The zoo's
-    ViT does not run in this scope yet: its ranks post their messages in other orders.)"""
+    """The zoo's ResNet, ViT and Llama, unchanged, cut over 2 uneven ranks: logits and
+    every gradient equal the eager sharded step and one device; no graph break (the
+    forward sends ``sent`` messages), the messages inside the graphs. (ViT failed before
+    the ranks agreed on its patch convolution: one traced it, the other broke.)"""
     pytest.importorskip("transformers")
 
     def body():
@@ -163,7 +163,7 @@ def test_transformers_models_compile_with_their_messages(ranks_for):
 
         mesh = shardlab.this_rank().mesh
         bad = []
-        for name in ("resnet", "llama"):
+        for name in ("resnet", "vit", "llama"):
             model, full, labels, dim = _zoo_batch(name)
             sizes = _zoo.uneven(next(iter(full.values())).shape[dim], mesh.size())
             cut = (mesh, [Shard(dim)], sizes)
@@ -181,7 +181,7 @@ def test_transformers_models_compile_with_their_messages(ranks_for):
                     compiled_model = torch.compile(model, backend=backend)
                     steps = [_zoo_step(compiled_model, full, labels, cut) for _ in range(2)]
                 breaks, _ = _breaks_and_graphs()
-                if breaks > sent or (name == "llama" and breaks):
+                if breaks:  # (ResNet's in-place residual adds too)
                     bad.append((name, "breaks", breaks, "messages", sent))
                 for logits, grads in steps:
                     same = torch.allclose(logits, eager[0]) and len(grads) == len(eager[1])
