@@ -30,6 +30,23 @@ each other (a hang: inductor did so with a ResNet's halos and statistics). The c
 the order of the trace, the same on every rank, a data dependency. It runs through the
 whole trace (AOTAutograd's forward and backward: the backward's first message takes the
 forward's last token, which the forward saves).
+
+**Messages are effectful ops.** They are also registered with torch's effect system (an
+*ordered* effect, as ``print``): AOTAutograd wraps each in ``with_effects`` with an effect
+token of its own (the forward's an input of the graph, the backward's a tangent), and its
+partitioner treats them as what they are on every rank:
+
+* **never dropped**: a send-only exchange has no output its rank uses, and the partitioner
+  rebuilds the backward graph from what its outputs need (a backward that re-sent a saved
+  block before any gradient op lost its send on one rank, not the receive on the other);
+* **never recomputed, never moved**: a forward message's outputs are saved (the min-cut
+  partitioner had re-run a forward receive in the backward of the rank that received), a
+  backward message hangs on a tangent (it had moved a backward receive into one rank's
+  forward).
+
+Inductor orders an effectful op after the one before it but may still sink one whose
+outputs nothing uses (a send-only exchange) to the end of the graph, after a message the
+other rank posts later: the token chain above keeps it in place.
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["all_gather", "all_reduce_", "exchange", "is_traced", "sending"]
@@ -133,9 +151,9 @@ def _(sends, to, recvs, sources, groups, token):
     return [*out, token.new_empty(0)]
 
 
-# a message is sent for its effect on another rank: never dropped as unused, never moved
+# a message is sent for its effect on another rank: never dropped, recomputed nor moved
 for _op in (_all_reduce, _all_gather, _exchange):
-    torch.fx.node.has_side_effect(_op._opoverload)
+    _register_effectful_op(_op._opoverload, _EffectType.ORDERED)
 
 
 _CHAIN: list = [None, None]  # [the proxy mode tracing now, the last message's token]

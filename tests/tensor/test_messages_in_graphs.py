@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tensor.test_traced import _traceable, _zoo_batch, _zoo_step
+from tests.tensor.test_traced import _targets, _traceable, _zoo_batch, _zoo_step
 
 needs_traceable = pytest.mark.skipif(
     not _traceable(), reason="torch < 2.13: each ShardTensor op runs eagerly (traced.py)"
@@ -36,7 +36,7 @@ def _recording_backend(targets=None, graphs=None):
 
     def record(gm, example_inputs):
         if targets is not None:
-            targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            targets.extend(_targets(gm))
         if graphs is not None:
             graphs.append(gm)
         return make_boxed_func(gm.forward)
@@ -101,10 +101,20 @@ def test_ops_that_send_compile_into_one_graph(ranks_for):
     assert ranks_for(2).run(body) == [[], []]
 
 
+def _made_by(node):
+    """The node whose output ``node`` is an item of (``getitem`` followed up)."""
+    while node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem":
+        node = node.args[0]
+    return node
+
+
 @needs_traceable
 def test_a_graphs_messages_are_chained_in_the_order_traced(ranks_for):
     """Every message of a graph takes the token the one before it returned, so no
-    compiler can reorder them; the backward's first takes the forward's last."""
+    compiler can reorder them; the backward's first takes the forward's last. Each is also
+    wrapped in torch's ``with_effects``, chained by its effect token (the first takes one
+    the graph gets as an input, or as a tangent), so the partitioner neither drops,
+    recomputes nor moves it."""
 
     def body():
         from torch.distributed.tensor import Shard
@@ -125,21 +135,27 @@ def test_a_graphs_messages_are_chained_in_the_order_traced(ranks_for):
             compiled = torch.compile(fn, backend=_recording_backend(graphs=graphs))
             compiled(shardlab.distribute(x, mesh, [Shard(0)], [[7, 3]])).backward()
         chains = []
+        effects = torch.ops.higher_order.with_effects
         for gm in graphs:
-            nodes = [n for n in gm.graph.nodes if str(n.target).startswith("shardlab.")]
-            # the token a message takes is an item of what the message before returned
-            links = [
-                after.args[-1].op == "call_function" and after.args[-1].args[0] is before
-                for before, after in zip(nodes, nodes[1:])
-            ]
-            chains.append((len(nodes), all(links), nodes[0].args[-1].op if nodes else None))
+            calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+            bare = [n for n in calls if str(n.target).startswith("shardlab.")]
+            nodes = [n for n in calls if n.target is effects]
+            sent = all(str(n.args[1]).startswith("shardlab.") for n in nodes)
+            pairs = list(zip(nodes, nodes[1:]))
+            ours = all(_made_by(after.args[-1]) is before for before, after in pairs)
+            torchs = all(_made_by(after.args[0]) is before for before, after in pairs)
+            firsts = tuple(_made_by(nodes[0].args[i]).op for i in (0, -1)) if nodes else ()
+            chains.append((len(nodes), len(bare), sent and ours and torchs, firsts))
         return chains
 
     for chains in ranks_for(2).run(body):
         forward, backward = chains
-        assert forward[0] >= 3 and forward[1], chains  # 2 all-reduces and an exchange
-        assert backward[0] >= 1 and backward[1], chains
-        assert backward[2] == "placeholder", chains  # the forward's last token, saved
+        assert forward[1:3] == (0, True) and forward[0] >= 3, chains  # 2 sums, 1 halo
+        assert backward[1:3] == (0, True) and backward[0] >= 1, chains
+        # the forward's first message: the graph's effect token, a token it makes itself;
+        # the backward's: a tangent, the forward's last token (saved)
+        assert forward[3] == ("placeholder", "call_function"), chains
+        assert backward[3] == ("placeholder", "placeholder"), chains
 
 
 @needs_traceable
@@ -194,6 +210,59 @@ def test_transformers_models_compile_with_their_messages(ranks_for):
                         bad.append((name, str(backend)[:20], d))
             if not any(t.startswith("shardlab.") for t in targets):
                 bad.append((name, "no message in the graphs"))
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
+
+
+@needs_traceable
+@pytest.mark.parametrize("backend", ["aot_eager", "aot_eager_default_partitioner", "inductor"])
+def test_what_one_rank_only_sends_is_sent_once(ranks_for, backend):
+    """``x.masked_fill(mask, v)`` and ``torch.logaddexp2(x, y)`` with the second argument
+    cut otherwise ([4, 1] against [1, 4]): its rows move to the first's layout in the
+    forward, and again at the start of the backward (masked_fill's gradient needs the
+    mask): a send on one rank, a receive on the other, before any gradient op. Equal to
+    torch, and each rank sends what the eager call sends (before the messages were
+    effectful ops, the partitioner dropped the backward's send on one rank and re-ran the
+    forward's receive in the backward of the other: both hung)."""
+
+    def body():
+        import torch.distributed as dist
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        gen = torch.Generator().manual_seed(3)
+        x, y = (torch.randn(5, 5, dtype=torch.float64, generator=gen) for _ in range(2))
+        fns = {
+            "masked_fill": lambda a, b: a.masked_fill(b > 0, 10.0),
+            "logaddexp2": lambda a, b: torch.logaddexp2(a, b),
+        }
+        bad = []
+        for name, fn in fns.items():
+            want_x, want_y = x.clone().requires_grad_(), y.clone().requires_grad_()
+            want = fn(want_x, want_y)
+            (want * want).sum().backward()
+            torch._dynamo.reset()
+            sent = []
+            for run in (fn, torch.compile(fn, backend=backend)):
+                a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
+                with shardlab.messages_in_graphs(), shardlab.trace() as t:
+                    out = run(
+                        shardlab.distribute(a, mesh, [Shard(0)], [[1, 4]]),
+                        shardlab.distribute(b, mesh, [Shard(0)], [[4, 1]]),
+                    )
+                    (out * out).sum().full_tensor().backward()
+                sent.append(sorted(e.op for e in t.events if e.rank == dist.get_rank()))
+                got = (out.full_tensor(), a.grad, b.grad)
+                for g, w in zip(got, (want, want_x.grad, want_y.grad)):
+                    if w is None:  # (masked_fill's mask: compiled, its source gets a zero
+                        w = torch.zeros_like(g) if g is not None else None  # gradient)
+                    if (g is None) != (w is None) or (w is not None and not torch.allclose(g, w)):
+                        bad.append((name, run is fn, "differs from torch"))
+            if sent[0] != sent[1]:
+                bad.append((name, "sent", sent))
         return bad
 
     assert ranks_for(2).run(body) == [[], []]

@@ -962,6 +962,17 @@ def test_two_outputs_and_a_backward_through_one(ranks_for):
     assert ranks_for(1).run(body) == [True]
 
 
+def _targets(gm) -> list[str]:
+    """The ops a graph calls; a message is wrapped in torch's ``with_effects`` (its effect
+    token: ``shardlab/tensor/collectives.py``), named here by the op it wraps."""
+    effects = getattr(torch.ops.higher_order, "with_effects", None)
+    return [
+        str(n.args[1]) if n.target is effects else str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    ]
+
+
 def _recording_backend(targets, inductors_decompositions=False):
     """aot_eager whose forward and backward graphs' node targets land in ``targets``;
     with inductor's decompositions, AOTAutograd traces the aten ops inductor gets."""
@@ -969,7 +980,7 @@ def _recording_backend(targets, inductors_decompositions=False):
     from torch._dynamo.backends.common import aot_autograd
 
     def record(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        targets.extend(_targets(gm))
         return make_boxed_func(gm.forward)
 
     if not inductors_decompositions:
