@@ -331,10 +331,11 @@ def check_ranks(func, args, kwargs) -> bool:
     if cut:
         if (
             not TRACEABLE
-            or (func._schema.is_mutable and not whole)  # (written in place, a graph
-            # input came back from AOTAutograd's epilogue with a gradient's strides of
-            # another block; inside messages_in_graphs() ResNet's residual ``+=`` traced
-            # is exact, one graph)
+            or (func._schema.is_mutable and not (whole and torch.Tag.pointwise in func.tags))
+            # (written in place, a graph input came back from AOTAutograd's epilogue with
+            # a gradient's strides of another block; inside messages_in_graphs() an
+            # element-wise one is traced: ResNet's residual ``+=`` is exact, one graph; a
+            # batch norm's running statistics failed the compile)
             or torch.Tag.nondeterministic_seeded in func.tags  # shardlab draws its own
         ):  # random values for the global tensor, the same on any mesh
             graph_break(f"{func} on a ShardTensor cut over several ranks")
@@ -394,14 +395,40 @@ class messages_in_graphs:
     rank (``torch._assert_async``: a ``RuntimeError``). Before torch 2.13 (no traceable
     ShardTensor) the scope changes nothing. What it decides is read when torch.compile
     traces: a graph compiled inside it keeps its messages when called outside.
+
+    What torch's compilers get wrong on one device they get wrong here too, where the
+    default design ran the op eagerly: inductor's gradient of ``avg_pool2d(...,
+    ceil_mode=True)`` divides an overhanging window by the whole kernel
+    (pytorch/pytorch#198119: EfficientNet's pooler).
+
+    Compiled graphs are cached on disk by what dynamo traced (torch's AOTAutograd and
+    inductor caches), which does not show what shardlab put in them: inside the scope the
+    cache key also holds a hash of shardlab's source (``torch.compiler.config``'s
+    ``cache_key_tag``), so no graph of another shardlab version is reused.
     """
 
     def __enter__(self):
-        _IN_GRAPHS.append(True)
+        tag = torch.compiler.config.cache_key_tag
+        patch = torch.compiler.config.patch(cache_key_tag=f"{tag}shardlab:{_source_hash()}")
+        patch.__enter__()
+        _IN_GRAPHS.append(patch)
         return self
 
     def __exit__(self, *exc):
-        _IN_GRAPHS.pop()
+        _IN_GRAPHS.pop().__exit__(*exc)
+
+
+@functools.cache
+def _source_hash() -> str:
+    """A hash of shardlab's Python source (what decides the graphs it traces)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def dynamo_blocks(values) -> bool:

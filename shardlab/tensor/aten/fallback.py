@@ -26,6 +26,14 @@ def replicate_and_run(func, args, kwargs):
     shards = c.shards_in((args, kwargs))
     mesh = c.the_mesh(shards)
     cause = f"whole-tensor fallback for {c.op_name(func)}"
+    if mesh.size() != 1:
+        from shardlab.tensor import traced
+
+        if traced.in_graphs() and traced.dynamo_blocks(shards):
+            # (inside messages_in_graphs(): an op on whole tensors, written in place or
+            # read through its strides, met torch's functionalization, which refuses a
+            # mutation through an ``as_strided`` view: the compile failed, on every rank)
+            traced.graph_break(f"{cause}: runs eagerly")
     whole: dict[int, object] = {}
 
     def gather(a):
