@@ -29,7 +29,7 @@ def replicate_and_run(func, args, kwargs):
     if mesh.size() != 1:
         from shardlab.tensor import traced
 
-        if traced.in_graphs() and traced.dynamo_blocks(shards):
+        if traced.in_graphs() and traced.cut_by_dynamo(shards, {}):
             # (inside messages_in_graphs(): an op on whole tensors, written in place or
             # read through its strides, met torch's functionalization, which refuses a
             # mutation through an ``as_strided`` view: the compile failed, on every rank)
