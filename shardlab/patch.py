@@ -44,6 +44,7 @@ PATCHED_NAMES = (
 
 _LOCK = threading.RLock()
 _ORIGINALS: dict[str, object] = {}
+_WRAPPERS: dict = {}  # (name, torch's function) -> its wrapper, made once
 _SHARD_TENSOR: list = []  # DTensor (ShardTensor's base), looked up once by enable()
 
 
@@ -200,7 +201,12 @@ def enable() -> None:
                 continue
             original = getattr(F, name)
             _ORIGINALS[name] = original
-            setattr(F, name, _wrapper(name, original))
+            # the same wrapper each time (a compiled graph guards on its type: a new one
+            # at every ``patched()`` recompiled a step that entered it)
+            key = (name, original)
+            if key not in _WRAPPERS:
+                _WRAPPERS[key] = _wrapper(name, original)
+            setattr(F, name, _WRAPPERS[key])
         _hook_natten()
         if traced.TRACEABLE and not _TRACED_CALLS:  # (for messages_in_graphs())
             _TRACED_CALLS.update({name: _nonstrict(name) for name in PATCHED_NAMES})

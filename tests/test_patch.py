@@ -212,3 +212,24 @@ def test_dynamo_imported_under_patched_still_traces_torch_functions():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "0"
+
+
+def test_a_compiled_step_entering_patched_each_time_compiles_once():
+    """A compiled graph guards on the type of each ``F`` function it calls; a step that
+    enters ``shardlab.patched()`` itself (once per step) met a new wrapper type each time
+    and recompiled every step. The same wrapper goes back at each ``enable()``."""
+    from torch._dynamo.utils import counters
+
+    with shardlab.patched():
+        first = F.conv1d
+    with shardlab.patched():
+        assert F.conv1d is first
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda x, w: F.conv1d(x, w, padding=1).relu().sum(), backend="eager")
+    x, w = torch.randn(1, 2, 9), torch.randn(3, 2, 3)
+    for _ in range(3):
+        with shardlab.patched():
+            got = step(x, w)
+    assert torch.allclose(got, F.conv1d(x, w, padding=1).relu().sum())
+    assert counters["stats"]["unique_graphs"] == 1
