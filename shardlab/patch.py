@@ -147,6 +147,7 @@ def _nonstrict(name: str):
         if not traced.dynamo_blocks(values):  # eagerly (dynamo broke the graph here), or
             return dispatch(name, args, kwargs)  # AOTAutograd tracing (see below)
         try:  # dynamo's run on its fake blocks: where it decides the graph's breaks
+            traced.random_in_checkpointed_region(name)
             out, failed = dispatch(name, args, kwargs), None
         except Exception as e:  # noqa: BLE001  (raised again below, on every rank)
             out, failed = None, e

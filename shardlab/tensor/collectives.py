@@ -52,6 +52,7 @@ other rank posts later: the token chain above keeps it in place.
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.distributed as dist
@@ -154,6 +155,59 @@ def _(sends, to, recvs, sources, groups, token):
 # a message is sent for its effect on another rank: never dropped, recomputed nor moved
 for _op in (_all_reduce, _all_gather, _exchange):
     _register_effectful_op(_op._opoverload, _EffectType.ORDERED)
+
+
+def _save_in_checkpointed_regions(joint_module) -> None:
+    """A forward message inside an activation-checkpointed region (``torch.utils.checkpoint``
+    under torch.compile: every op tagged *prefer recompute*) is saved, not recomputed.
+
+    torch's partitioner saves an effectful op's outputs except there, where it lets a
+    recomputation in the backward run it again. Its ``with_effects`` then needs the
+    forward's effect token, which AOTAutograd saves but does not keep (a ``None`` at run
+    time: ``expected all tensors_saved_with_vc_check to be Tensors``, on every rank), and
+    the message would be sent twice. Its outputs (a halo, a reduced statistic, a token)
+    are small next to the activations the region recomputes.
+    """
+    from torch._functorch._aot_autograd.utils import is_with_effects
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+    def save(node) -> None:  # the message as outside a region; its outputs saved
+        node.meta.pop("recompute")
+        for user in node.users:
+            if user.target is operator.getitem:
+                if isinstance(user.meta.get("val"), (tuple, list)):
+                    save(user)
+                else:
+                    user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+    for node in joint_module.graph.nodes:
+        if (
+            is_with_effects(node)
+            and getattr(node.args[1], "namespace", None) == "shardlab"
+            and node.meta.get("recompute") in recompute
+        ):
+            save(node)
+
+
+@contextlib.contextmanager
+def saved_in_checkpointed_regions():
+    """:func:`_save_in_checkpointed_regions` before torch's own pass (the partitioners
+    call ``force_save_effectful_ops``), while the scope is open; restored after."""
+    from torch._functorch import partitioners
+
+    torch_pass = partitioners.force_save_effectful_ops
+
+    def both(joint_module) -> None:
+        _save_in_checkpointed_regions(joint_module)
+        torch_pass(joint_module)
+
+    partitioners.force_save_effectful_ops = both
+    try:
+        yield
+    finally:
+        partitioners.force_save_effectful_ops = torch_pass
 
 
 _CHAIN: list = [None, None]  # [the proxy mode tracing now, the last message's token]

@@ -387,7 +387,12 @@ class messages_in_graphs:
       cross-entropy's sums) is one call in dynamo's graph (torch's
       ``nonstrict_trace``), which AOTAutograd traces through, forward and backward;
     * the messages of a graph are chained by a token in the order they were traced,
-      the same on every rank, so no compiler can reorder them (a hang).
+      the same on every rank, so no compiler can reorder them (a hang);
+    * in an activation-checkpointed region (``torch.utils.checkpoint``, as
+      ``transformers`` models call it) a message's outputs are saved, not sent again by
+      the backward's recomputation (torch's partitioner would, and failed on every rank:
+      ``shardlab/tensor/collectives.py``). On torch 2.13-2.14 attention runs eagerly
+      there (AOTAutograd saves the mesh with its random kernels' state).
 
     What reads data stays eager (a graph break): ``.item()``, random draws (dropout), a
     layout of symbolic sizes. Errors that eager code raises
@@ -404,14 +409,20 @@ class messages_in_graphs:
     Compiled graphs are cached on disk by what dynamo traced (torch's AOTAutograd and
     inductor caches), which does not show what shardlab put in them: inside the scope the
     cache key also holds a hash of shardlab's source (``torch.compiler.config``'s
-    ``cache_key_tag``), so no graph of another shardlab version is reused.
+    ``cache_key_tag``), so no graph of another shardlab version is reused. Both patches
+    (that tag, the partitioner's pass) are undone when the scope closes.
     """
 
     def __enter__(self):
+        from shardlab.tensor import collectives
+
         tag = torch.compiler.config.cache_key_tag
-        patch = torch.compiler.config.patch(cache_key_tag=f"{tag}shardlab:{_source_hash()}")
-        patch.__enter__()
-        _IN_GRAPHS.append(patch)
+        stack = contextlib.ExitStack()
+        stack.enter_context(
+            torch.compiler.config.patch(cache_key_tag=f"{tag}shardlab:{_source_hash()}")
+        )
+        stack.enter_context(collectives.saved_in_checkpointed_regions())
+        _IN_GRAPHS.append(stack)
         return self
 
     def __exit__(self, *exc):
@@ -548,6 +559,20 @@ SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # dynamo's symbolic sc
 # state is saved for the recomputation), and the first call fails ("expected all
 # tensors_saved_with_vc_check to be Tensors"); fixed in 2.15. Such an op runs eagerly there.
 _SAVES_MESH = (2, 13) <= _VERSION < (2, 15)
+
+
+_RANDOM_CALLS = ("scaled_dot_product_attention", "multi_head_attention_forward")
+
+
+def random_in_checkpointed_region(name: str) -> None:
+    """Inside :class:`messages_in_graphs` a patched ``F`` call is traced whole: on torch
+    2.13-2.14 one whose kernels are random-tagged (attention's) raises in a checkpointed
+    region, so that every rank runs it eagerly (:data:`_SAVES_MESH`)."""
+    if _SAVES_MESH and name in _RANDOM_CALLS and _in_checkpointed_region():
+        raise NotImplementedError(
+            f"shardlab: torch.nn.functional.{name} in an activation-checkpointed region "
+            "runs eagerly on torch 2.13-2.14 (AOTAutograd saves the mesh as a tensor)"
+        )
 
 
 def _in_checkpointed_region() -> bool:

@@ -269,6 +269,67 @@ def test_what_one_rank_only_sends_is_sent_once(ranks_for, backend):
 
 
 @needs_traceable
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_checkpointed_region_keeps_its_messages(ranks_for, backend):
+    """``torch.utils.checkpoint`` inside a compiled function (as ``transformers`` models
+    call it): the region's ops are tagged *recompute*, and torch's partitioner re-ran its
+    messages in the backward, whose effect token it saved as a tensor (every rank failed:
+    ``expected all tensors_saved_with_vc_check to be Tensors``; the zoo's ViT). Inside the
+    scope a message's outputs are saved: equal to torch, and a compiled call sends what
+    it sends without the checkpoint (each message once). Ring attention too (on torch
+    2.13-2.14 it runs eagerly in a region: its kernels are random-tagged)."""
+
+    def body():
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+        from torch.utils.checkpoint import checkpoint
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(2, 9, 6, dtype=torch.float64, generator=gen)
+        w = torch.randn(6, 6, dtype=torch.float64, generator=gen)
+        k = torch.randn(6, 6, 3, dtype=torch.float64, generator=gen)
+        fns = {  # (B, T, C), cut along T
+            "centre": lambda t, w, k: (t - t.mean(1, keepdim=True)) @ w,
+            "conv": lambda t, w, k: F.conv1d((t @ w).transpose(1, 2), k, padding=1).relu(),
+            "attention": lambda t, w, k: F.scaled_dot_product_attention(
+                (t @ w)[:, None], t[:, None], t[:, None], is_causal=True
+            )[:, 0],
+        }
+        bad = []
+        for name, fn in fns.items():
+            region = lambda t, w, k, fn=fn: checkpoint(fn, t, w, k, use_reentrant=False).sum(-1)  # noqa: E731
+            leaves = [v.clone().requires_grad_() for v in (x, w, k)]
+            want = fn(*leaves).sum(-1)
+            (want * want).sum().backward()
+            want = (want, *(v.grad for v in leaves))
+            torch._dynamo.reset()
+            sent = []
+            plain = torch.compile(lambda *a, fn=fn: fn(*a).sum(-1), backend=backend)
+            compiled = torch.compile(region, backend=backend)
+            for run in (plain, plain, compiled, compiled):  # (the first call compiles)
+                leaves = [v.clone().requires_grad_() for v in (x, w, k)]
+                with shardlab.patched(), shardlab.messages_in_graphs(), shardlab.trace() as t:
+                    cut = shardlab.distribute(leaves[0], mesh, [Shard(1)], [[6, 3]])
+                    out = run(cut, *leaves[1:]).full_tensor()
+                    (out * out).sum().backward()
+                sent.append(sorted(e.op for e in t.events if e.rank == dist.get_rank()))
+                got = (out, *(v.grad for v in leaves))
+                for g, v in zip(got, want):  # (k: no gradient where fn does not use it)
+                    if (g is None) != (v is None) or (v is not None and not torch.allclose(g, v)):
+                        bad.append((name, run is compiled, "differs from torch"))
+            if name != "attention" and sent[1] != sent[3]:
+                bad.append((name, "sent", sent))
+        return bad
+
+    assert ranks_for(2).run(body) == [[], []]
+
+
+@needs_traceable
 def test_a_target_out_of_bounds_raises_on_every_rank(ranks_for):
     """A compiled graph cannot raise torch's IndexError where eager code reads the
     targets: it checks them when it runs, on every rank (a RuntimeError), never a hang."""
@@ -303,9 +364,12 @@ def test_a_target_out_of_bounds_raises_on_every_rank(ranks_for):
 
 
 def test_the_scope_is_left_as_it_was():
+    from torch._functorch import partitioners
+
     import shardlab
     from shardlab.tensor import traced
 
+    torch_pass = partitioners.force_save_effectful_ops
     assert not traced._IN_GRAPHS
     with shardlab.messages_in_graphs():
         with shardlab.messages_in_graphs():
@@ -315,3 +379,4 @@ def test_the_scope_is_left_as_it_was():
     with pytest.raises(ZeroDivisionError), shardlab.messages_in_graphs():
         raise ZeroDivisionError
     assert not traced._IN_GRAPHS
+    assert partitioners.force_save_effectful_ops is torch_pass
