@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.layout import ShardLayout
 from shardlab.tensor import comm
+from shardlab.tensor._once import passes_no_gradient
 from shardlab.tensor.api import ShardTensor, _grad_layout
 from shardlab.tensor.recompute import fenced
 
@@ -39,6 +40,7 @@ def _graph(grad) -> bool:
     return torch.is_grad_enabled() and records((grad,))
 
 
+@passes_no_gradient
 class _FromLocalAlone(torch.autograd.Function):
     """:class:`_FromLocal` on a mesh of one rank: no message can be sent, so no fence."""
 
@@ -57,6 +59,7 @@ class _FromLocal(_FromLocalAlone):
     pass
 
 
+@passes_no_gradient
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st, grad_layout):
@@ -73,6 +76,7 @@ class _ToLocal(torch.autograd.Function):
 
 
 @fenced
+@passes_no_gradient
 class _Redistribute(torch.autograd.Function):
     """``_Redistribute.apply(st, layout, cause="redistribute")``: differentiable; ``cause``
     labels the messages (its backward's: "redistribute backward")."""

@@ -1,5 +1,7 @@
 """Autograd Functions whose backward runs on blocks: :func:`first_order` marks them, so a
-double backward through them raises a clear error instead of missing a term."""
+double backward through them raises a clear error instead of missing a term;
+:func:`passes_no_gradient`: a Function that moves one tensor passes no gradient on as no
+gradient."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import functools
 
 import torch
 
-__all__ = ["first_order"]
+__all__ = ["first_order", "passes_no_gradient"]
 
 
 def first_order(name: str):
@@ -44,3 +46,33 @@ def first_order(name: str):
         return wrapper
 
     return mark
+
+
+def passes_no_gradient(cls):
+    """Class decorator for an autograd Function of one output that makes or moves a
+    ShardTensor (``from_local``, ``distribute``, ``redistribute``, ...): no gradient
+    (``None``) for its output is no gradient for its inputs, as torch's own ops pass it.
+
+    torch's default (``set_materialize_grads(True)``) turned it into zeros. A compiled
+    graph returns None for an input that reaches its outputs only through a comparison
+    (``x.masked_fill(y > 0, v)``), where eager autograd never reaches these Functions: ``y``
+    got a zero gradient instead of torch's None, and an optimizer then steps it (weight
+    decay, momentum). Whether a gradient is None follows from the ops, not the data: the
+    same on every rank, so no rank skips a message the others send."""
+    forward, backward = cls.forward, cls.backward
+
+    @functools.wraps(forward)
+    def forward_unmaterialized(ctx, *args, **kwargs):
+        ctx.set_materialize_grads(False)
+        ctx.shardlab_inputs = len(args) + len(kwargs)
+        return forward(ctx, *args, **kwargs)
+
+    @functools.wraps(backward)
+    def backward_or_none(ctx, grad):
+        if grad is None:
+            return (None,) * ctx.shardlab_inputs
+        return backward(ctx, grad)
+
+    cls.forward = staticmethod(forward_unmaterialized)
+    cls.backward = staticmethod(backward_or_none)
+    return cls

@@ -12,7 +12,7 @@ from shardlab.layout import ShardLayout
 from shardlab.tensor import comm, traced
 from shardlab.tensor._autograd import local_of
 from shardlab.tensor._checks import _check_device, _mesh, _placements
-from shardlab.tensor._once import first_order
+from shardlab.tensor._once import first_order, passes_no_gradient
 from shardlab.tensor.api import ShardTensor, _grad_layout
 from shardlab.tensor.recompute import fenced
 
@@ -77,6 +77,7 @@ def _broadcast_in_mesh(objects: list, src: int, mesh) -> None:
 
 
 @fenced
+@passes_no_gradient
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, src, mesh, layout):
@@ -180,6 +181,7 @@ def distribute(tensor: torch.Tensor, device_mesh, placements, sizes=None) -> Sha
 
 
 @fenced
+@passes_no_gradient
 class _Distribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, mesh, layout):

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
 from shardlab.layout import ShardLayout, moves
-from shardlab.tensor._once import first_order
+from shardlab.tensor._once import first_order, passes_no_gradient
 from shardlab.tensor.decisions import SCALARS
 from shardlab.tensor.recompute import fenced
 
@@ -29,6 +29,7 @@ __all__ = ["prepare"]
 
 
 @fenced
+@passes_no_gradient
 class _FromDTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt, layout):

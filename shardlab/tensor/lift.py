@@ -17,6 +17,7 @@ from shardlab.layout import ShardLayout
 from shardlab.tensor import grad_sum, submesh
 from shardlab.tensor._autograd import local_of
 from shardlab.tensor._checks import _check_device
+from shardlab.tensor._once import passes_no_gradient
 from shardlab.tensor.api import _SCALARS, ShardTensor
 from shardlab.tensor.recompute import fenced
 
@@ -103,6 +104,7 @@ def _replicated(tensor: torch.Tensor, mesh) -> ShardTensor:
 
 
 @fenced
+@passes_no_gradient
 class _Lift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, mesh, layout):

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab.layout import ShardLayout
-from shardlab.tensor._once import first_order
+from shardlab.tensor._once import first_order, passes_no_gradient
 from shardlab.tensor.recompute import fenced
 
 __all__ = ["embed", "embed_layout", "hook_sub_mesh", "sub_mesh_dims"]
@@ -94,6 +94,7 @@ def embed(a, mesh):
 
 
 @fenced
+@passes_no_gradient
 class _Embed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, mesh, layout):
