@@ -220,11 +220,11 @@ def _one_buffer(send: list):
     base = send[0]._base
     if base is None or base.ndim != 1 or base.numel() != sum(t.numel() for t in send):
         return None
-    at = base.data_ptr()
+    at = base.storage_offset()  # (offsets, not data pointers: fake blocks have none)
     for t in send:
-        if t._base is not base or not t.is_contiguous() or t.data_ptr() != at:
+        if t._base is not base or not t.is_contiguous() or t.storage_offset() != at:
             return None
-        at += t.numel() * t.element_size()
+        at += t.numel()
     return base
 
 

@@ -329,6 +329,48 @@ def test_a_checkpointed_region_keeps_its_messages(ranks_for, backend):
 
 
 @needs_traceable
+@pytest.mark.timeout(600)
+def test_ring_attention_on_more_ranks_is_one_graph(ranks_for):
+    """Ring attention over 4 uneven ranks (a block passed on is sent as the one buffer it
+    came in): one graph, no break, equal to torch, forward and backward, causal or not.
+    Over 3 ranks or more dynamo's fake run read a data pointer of the block it passes on
+    and broke the graph at every attention call (the zoo's Llama and ViT on 4 ranks)."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch._dynamo.utils import counters
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        gen = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(2, 3, 12, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+        bad = []
+        for causal in (False, True):
+            fn = lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)  # noqa: E731
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            want = fn(*leaves)
+            (want * want).sum().backward()
+            want = [want, *(t.grad for t in leaves)]
+            torch._dynamo.reset()
+            counters.clear()
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with shardlab.patched(), shardlab.messages_in_graphs():
+                cut = [shardlab.distribute(t, mesh, [Shard(2)], [[5, 2, 3, 2]]) for t in leaves]
+                out = torch.compile(fn, backend="aot_eager")(*cut).full_tensor()
+                (out * out).sum().backward()
+            got = [out, *(t.grad for t in leaves)]
+            if not all(torch.allclose(g, w) for g, w in zip(got, want)):
+                bad.append((causal, "differs from torch"))
+            if _breaks_and_graphs() != (0, 1):
+                bad.append((causal, "breaks, graphs", _breaks_and_graphs()))
+        return bad
+
+    assert ranks_for(4).run(body) == [[]] * 4
+
+
+@needs_traceable
 def test_a_target_out_of_bounds_raises_on_every_rank(ranks_for):
     """A compiled graph cannot raise torch's IndexError where eager code reads the
     targets: it checks them when it runs, on every rank (a RuntimeError), never a hang."""
