@@ -297,8 +297,10 @@ def _tutorial_unet():
     return ast.unparse(ast.Module(body=keep, type_ignores=[]))
 
 
-def _models_body(unet_source, backends):
+def _models_body(unet_source, backends, in_graphs=False):
     def body():
+        import contextlib
+
         import torch.nn as nn
         import torch.nn.functional as F
         from torch.distributed.tensor import Shard
@@ -325,14 +327,16 @@ def _models_body(unet_source, backends):
                 mesh = this_rank().mesh_for((2, 2))
                 places, sizes = [Shard(2), Shard(3)], [[12, 8], [4, 8]]
             else:
-                mesh, places, sizes = me.mesh, [Shard(2)], [[12, 8]]
+                sizes = [[12, 8]] if me.world_size == 2 else [[9, 4, 7]]
+                mesh, places = me.mesh, [Shard(2)]
             ref = __import__("copy").deepcopy(model)
             xr = img.clone().requires_grad_()
             yr = ref(xr)
             (yr * yr).sum().backward()
             for backend in backends:
                 torch._dynamo.reset()
-                with shardlab.patched():
+                scope = shardlab.messages_in_graphs() if in_graphs else contextlib.nullcontext()
+                with shardlab.patched(), scope:
                     compiled = torch.compile(model, backend=backend)
                     for _ in range(2):  # the first call compiles, the second reuses
                         leaf = img.clone().requires_grad_()
@@ -358,6 +362,17 @@ def _models_body(unet_source, backends):
 def test_conv_stack_and_the_tutorial_unet_compile_exactly(ranks_for, world):
     backends = ["aot_eager", "inductor"] if world == 2 else ["aot_eager"]
     body = _models_body(_tutorial_unet(), backends)
+    assert ranks_for(world).run(body) == [[]] * world
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [3, 4])
+def test_conv_stack_and_the_tutorial_unet_compile_exactly_with_their_messages(ranks_for, world):
+    """The same inside ``shardlab.messages_in_graphs()``: 3 ranks (a 1-D mesh) and 4 (a 2x2
+    mesh, H and W cut), the halos inside the graphs."""
+    if not _traceable():
+        pytest.skip("torch < 2.13: each ShardTensor op runs eagerly (traced.py)")
+    body = _models_body(_tutorial_unet(), ["aot_eager"], in_graphs=True)
     assert ranks_for(world).run(body) == [[]] * world
 
 
