@@ -146,7 +146,9 @@ lm.plot()
 
 
 # %%
-def compile_a_step():
+def compile_a_step(messages_in_graphs=False):
+    import contextlib
+
     import torch.nn.functional as F
 
     mesh = shardlab.this_rank().mesh
@@ -162,7 +164,8 @@ def compile_a_step():
     sizes = [16 // WORLD + (2 if r == 0 else 0) for r in range(WORLD)]
     sizes[-1] += 16 - sum(sizes)
     img = shardlab.distribute(x, mesh, [Shard(2)], [sizes])
-    with shardlab.patched():
+    scope = shardlab.messages_in_graphs() if messages_in_graphs else contextlib.nullcontext()
+    with shardlab.patched(), scope:
         explained = torch._dynamo.explain(step)(img, w)
         with shardlab.trace() as t:
             compiled = torch.compile(step, backend="aot_eager")(img, w).full_tensor()
@@ -195,6 +198,19 @@ print(f"messages and collectives of the compiled step (between graphs): {kinds}"
 # step costs about 0.75x the eager one. Set it in a scope, as
 # `with torch._dynamo.config.patch(nested_graph_breaks=True):`.
 #
+# **Messages inside the graph.** Compiled inside `shardlab.messages_in_graphs()` (opt-in),
+# the halos and the all-reduce are ops of the compiled graph instead of breaks: every rank
+# posts them in one order (a token chains them), and the same step is one graph. The
+# messages are the same; the Python around them is gone. The zoo's Llama then costs about
+# 0.36x its eager step on 2 ranks and ResNet about 0.9x (`bench_compile.py
+# --messages-in-graphs`). Why it is not the default: the compile guide.
+
+# %%
+(graphs_in, breaks_in), _, kinds_in, same_in = ranks.run(compile_a_step, True)[0]
+assert same_in and kinds_in == kinds  # equal to eager; the same kinds of messages
+print(f"inside messages_in_graphs(): {graphs_in} graph(s), {breaks_in} graph breaks")
+
+# %% [markdown]
 # On a mesh of **one** rank nothing is sent, and the whole step is traced: the ShardTensor
 # carries its layout into the graph (dynamo guards on it), the patched `F` entry points hand
 # dynamo torch's own function, and a model's forward and backward compile to one graph with
