@@ -197,7 +197,10 @@ def saved_in_checkpointed_regions():
     call ``force_save_effectful_ops``), while the scope is open; restored after."""
     from torch._functorch import partitioners
 
-    torch_pass = partitioners.force_save_effectful_ops
+    torch_pass = getattr(partitioners, "force_save_effectful_ops", None)
+    if torch_pass is None:  # (a torch without that pass: nothing to add to)
+        yield
+        return
 
     def both(joint_module) -> None:
         _save_in_checkpointed_regions(joint_module)
