@@ -304,7 +304,14 @@ def summed_grads(tensors, input, cause):
         replicated_param(t, mesh, layout.placements) if isinstance(t, ShardTensor) else t
         for t in tensors
     ]
-    trained = [i for i, t in enumerate(out) if t is not None and t.requires_grad]
+    # a ShardTensor weight's block carries its pending sum itself (``to_local``'s Partial
+    # gradient, reduced by whatever made the ShardTensor, or kept pending for a DTensor
+    # parameter, as torch does): summing it here too counted it once per rank
+    trained = [
+        i
+        for i, (t, o) in enumerate(zip(tensors, out))
+        if o is not None and o.requires_grad and not isinstance(t, ShardTensor)
+    ]
     if not trained or not torch.is_grad_enabled():
         return out
     groups = groups_over(mesh, sharding_mesh_dims(layout))

@@ -122,3 +122,46 @@ def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
             cause="redistribute backward",
         )
     return grad
+
+
+
+def dtensor_grad_local(grad, mesh, layout: ShardLayout, dims=None):
+    """This rank's block of the gradient of a plain DTensor read as ``layout`` on ``mesh``
+    (its own mesh, or a mesh it is a sub-mesh of: ``dims``, the mesh dims it lives on),
+    and the mesh dims whose sum stays pending: those of ``dims`` where the DTensor is
+    ``Replicate`` and the gradient a ``Partial()`` sum (a parameter used on this rank's
+    rows), as torch's own backward leaves it (reduced when torch reduces it:
+    ``full_tensor()``, the optimizer's step, FSDP's reduce-scatter). Sends nothing for
+    those; sums the other Partial mesh dims; a ``Shard`` the gradient lacks moves back."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    target = _grad_layout(layout)
+    pending = ()
+    if isinstance(grad, ShardTensor) and grad._layout is not None:
+        pending = tuple(
+            m
+            for m, (p, q) in enumerate(zip(grad._layout.placements, layout.placements))
+            if type(p) is Partial
+            and p.reduce_op == "sum"
+            and type(q) is Replicate
+            and (dims is None or m in dims)
+        )
+        if pending:
+            places = (Partial() if m in pending else p for m, p in enumerate(target.placements))
+            target = target.replace(placements=tuple(places))
+    return _local_of(grad, target, mesh), pending
+
+
+def dtensor_grad(grad, mesh, layout: ShardLayout, placements, shape, stride) -> DTensor:
+    """The gradient of a plain DTensor (``placements`` on ``mesh``, read as ``layout``)
+    used as a ShardTensor, as torch would hand it back: a DTensor of the same placements
+    (Partial read as Replicate), a pending sum kept ``Partial()``
+    (:func:`dtensor_grad_local`)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    local, pending = dtensor_grad_local(grad, mesh, layout)
+    places = [
+        Partial() if m in pending else Replicate() if isinstance(p, Partial) else p
+        for m, p in enumerate(placements)
+    ]
+    return DTensor.from_local(local, mesh, places, run_check=False, shape=shape, stride=stride)

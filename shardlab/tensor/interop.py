@@ -5,7 +5,9 @@
 
 * a plain DTensor (from ``distribute_tensor``, ``parallelize_module``) becomes a
   ShardTensor with DTensor's own chunk sizes; its gradient goes back as a DTensor with
-  the original placements (Partial read as Replicate), so torch's own ops keep working;
+  the original placements (Partial read as Replicate), a sum over the ranks still
+  pending where it is Replicate (a parameter: ``Partial()``, as torch's backward leaves
+  it), so torch's own ops keep working;
 * a ``Partial`` value is reduced first (one all-reduce), as DTensor would;
 * a strided dim (a view merged a cut dim under another) is made consecutive again
   (point-to-point moves of the rows that change owner), except for handlers that work
@@ -21,11 +23,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
 from shardlab.layout import ShardLayout, moves
+from shardlab.tensor import submesh
 from shardlab.tensor._once import first_order, passes_no_gradient
 from shardlab.tensor.decisions import SCALARS
 from shardlab.tensor.recompute import fenced
 
-__all__ = ["prepare"]
+__all__ = ["from_dtensor", "prepare"]
 
 
 @fenced
@@ -42,13 +45,19 @@ class _FromDTensor(torch.autograd.Function):
     @staticmethod
     @first_order("a DTensor made a ShardTensor")
     def backward(ctx, grad):
-        from shardlab.tensor.api import _grad_layout, _local_of
+        from shardlab.tensor._autograd import dtensor_grad
 
-        local = _local_of(grad, _grad_layout(ctx.layout), ctx.mesh)
-        places = [Replicate() if isinstance(p, Partial) else p for p in ctx.placements]
-        return DTensor.from_local(
-            local, ctx.mesh, places, run_check=False, shape=ctx.shape, stride=ctx.stride
-        ), None
+        grad = dtensor_grad(grad, ctx.mesh, ctx.layout, ctx.placements, ctx.shape, ctx.stride)
+        return grad, None
+
+
+def from_dtensor(dt):
+    """A plain DTensor as a ShardTensor of the same blocks (DTensor's chunk sizes), nothing
+    moved, differentiably: the DTensor's gradient comes back a DTensor (a parameter's with
+    its sum over the ranks still pending, ``Partial()``, as torch leaves it)."""
+    from shardlab.tensor.aten._common import layout_of_dtensor
+
+    return _FromDTensor.apply(dt, layout_of_dtensor(dt))
 
 
 def _block_and_whole(layout: ShardLayout, keep_strided: bool) -> ShardLayout:
@@ -94,12 +103,17 @@ def prepare(args, kwargs, name: str, keep_strided: bool = False):
     if _ready(args, keep_strided) and _ready(kwargs.values(), keep_strided):
         return tuple(args), dict(kwargs)  # the common case: nothing to do, one pass
     from shardlab.tensor.api import ShardTensor, _Redistribute
-    from shardlab.tensor.aten._common import layout_of_dtensor
     from shardlab.trace import label
+
+    cut = [a for a in (*args, *kwargs.values()) if isinstance(a, ShardTensor)]
+    mesh = max((a.device_mesh for a in cut), key=lambda m: m.ndim) if cut else None
 
     def conv(a):
         if isinstance(a, DTensor) and not isinstance(a, ShardTensor):
-            a = _FromDTensor.apply(a, layout_of_dtensor(a))
+            # a DTensor on a sub-mesh of the input's (torch TP's mesh["tp"]): read on
+            # the input's mesh; on its own mesh: adopted as it is
+            on_sub = mesh is not None and a.device_mesh != mesh
+            a = submesh.embed(a, mesh) if on_sub else from_dtensor(a)
         if isinstance(a, ShardTensor):
             want = _block_and_whole(a._layout, keep_strided)
             if want != a._layout:

@@ -19,6 +19,7 @@ from shardlab.tensor._autograd import local_of
 from shardlab.tensor._checks import _check_device
 from shardlab.tensor._once import passes_no_gradient
 from shardlab.tensor.api import _SCALARS, ShardTensor
+from shardlab.tensor.interop import from_dtensor
 from shardlab.tensor.recompute import fenced
 
 __all__ = ["lift_trainable"]
@@ -70,12 +71,23 @@ def _lift_trainable(args, kwargs):
         for a in leaves
     )
     sub = any(isinstance(a, DTensor) and a.device_mesh != mesh for a in leaves)
-    if not plain and not sub:
+    adopted = any(
+        isinstance(a, DTensor) and type(a) is not ShardTensor and a.requires_grad
+        for a in leaves
+    )
+    if not plain and not sub and not adopted:
         return args, kwargs
 
     def lift(a):
         if isinstance(a, DTensor):
-            return submesh.embed(a, mesh) if sub else a
+            if sub and a.device_mesh != mesh:
+                return submesh.embed(a, mesh)
+            if type(a) is not ShardTensor and a.requires_grad and a.device_mesh == mesh:
+                # a DTensor parameter (distribute_module's Replicate, FSDP's Shard):
+                # adopted above autograd, so its gradient comes back a DTensor, its
+                # sum over the ranks pending as torch leaves it
+                return from_dtensor(a)
+            return a
         if isinstance(a, torch.Tensor) and a.requires_grad:
             return _replicated(a, mesh)
         return a

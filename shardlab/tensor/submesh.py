@@ -108,11 +108,12 @@ class _Embed(torch.autograd.Function):
     @staticmethod
     @first_order("a sub-mesh DTensor")
     def backward(ctx, grad):
+        from shardlab.tensor._autograd import dtensor_grad_local
         from shardlab.tensor.api import ShardTensor, _grad_layout, _local_of
 
-        target = _grad_layout(ctx.layout)  # the other mesh dims: summed (all-reduce)
-        local = _local_of(grad, target, ctx.mesh)
         if ctx.shard:
+            target = _grad_layout(ctx.layout)  # the other mesh dims: summed (all-reduce)
+            local = _local_of(grad, target, ctx.mesh)
             dims = sub_mesh_dims(ctx.sub, ctx.mesh)
             sub = target.replace(
                 mesh_shape=tuple(ctx.sub.shape),
@@ -121,14 +122,17 @@ class _Embed(torch.autograd.Function):
                 cuts=None if target.cuts is None else tuple(target.cuts[d] for d in dims),
             )
             return ShardTensor._wrap(local, ctx.sub, sub, stride=ctx.stride), None, None
-        places = [Replicate() if isinstance(p, Partial) else p for p in ctx.placements]
-        return (
-            DTensor.from_local(
-                local, ctx.sub, places, run_check=False, shape=ctx.shape, stride=ctx.stride
-            ),
-            None,
-            None,
+        # a plain DTensor: the other mesh dims summed, its own keep a pending sum
+        dims = sub_mesh_dims(ctx.sub, ctx.mesh)
+        local, pending = dtensor_grad_local(grad, ctx.mesh, ctx.layout, dims)
+        places = [
+            Partial() if d in pending else Replicate() if isinstance(p, Partial) else p
+            for d, p in zip(dims, ctx.placements)
+        ]
+        grad = DTensor.from_local(
+            local, ctx.sub, places, run_check=False, shape=ctx.shape, stride=ctx.stride
         )
+        return grad, None, None
 
 
 def hook_sub_mesh(mesh, depth: int = 4):
