@@ -8,9 +8,13 @@
 
 Each patched name is replaced by a wrapt ``FunctionWrapper`` around the
 original: a call whose positional or keyword arguments include a ShardTensor
-(or a plain DTensor, read with its chunk sizes) goes to the handler registered
-for that name in ``shardlab.ops.registry``; any other call goes to the
-original, with identical results and errors.
+goes to the handler registered for that name in ``shardlab.ops.registry``; any
+other call goes to the original, with identical results, placements, messages
+and errors: plain tensors, and plain DTensors too (torch's own tensor
+parallelism, ``loss_parallel``, ``CommDebugMode`` counts are as without shardlab).
+A plain DTensor next to a ShardTensor in a routed call is adopted (its gradient
+comes back a DTensor). Taking plain DTensors over is explicit:
+``ShardTensor.from_dtensor(x)``, or ``patched(dtensors=True)`` for a scope.
 When natten is importable, its ``na1d``/``na2d``/``na3d`` (``natten.functional`` and
 ``natten``) route ShardTensor calls to :mod:`shardlab.ops.neighborhood` the same way, also
 when natten is imported after ``enable()`` (a wrapt post-import hook).
@@ -21,11 +25,14 @@ Patching is idempotent and thread-safe; ``disable()`` and leaving
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import sys
 import threading
 
 import torch
 import torch.nn.functional as F
 import wrapt
+from torch.distributed.tensor import DTensor
 
 from shardlab.tensor import traced
 
@@ -45,7 +52,8 @@ PATCHED_NAMES = (
 _LOCK = threading.RLock()
 _ORIGINALS: dict[str, object] = {}
 _WRAPPERS: dict = {}  # (name, torch's function) -> its wrapper, made once
-_SHARD_TENSOR: list = []  # DTensor (ShardTensor's base), looked up once by enable()
+_SHARD_TENSOR: list = []  # the class whose instances route a call: ShardTensor (set by
+# enable()), or DTensor inside ``patched(dtensors=True)``
 
 
 def _has_shard_tensor(args, kwargs) -> bool:
@@ -184,19 +192,22 @@ def _wrapper(name: str, original):
     return cls(original, _router(name))
 
 
-def enable() -> None:
-    """Patch every name in :data:`~shardlab.patch.PATCHED_NAMES` (a second call changes nothing)."""
-    import torch._dynamo  # noqa: F401  (see below)
-    from torch.distributed.tensor import DTensor
+def enable(*, dtensors: bool | None = None) -> None:
+    """Patch every name in :data:`~shardlab.patch.PATCHED_NAMES` (a second call changes nothing).
 
+    ``dtensors=True``: plain DTensors route calls too (read with their chunk sizes, as
+    :meth:`ShardTensor.from_dtensor` reads them), also where no ShardTensor is among the
+    arguments; ``False`` (the default when first enabled): only ShardTensors do, and a
+    call with plain tensors and plain DTensors runs torch's own code. ``None``: as it was.
+    """
     import shardlab.ops  # noqa: F401  (registers the handlers)
+    from shardlab.tensor import ShardTensor
 
-    # dynamo, imported, records which torch.nn.functional functions it may trace into
-    # (those boolean_dispatch makes, max_pool2d's); imported while they are patched (by
-    # the first op's meta check: torch imports it there), it takes ours for torch's and
-    # later breaks every compiled graph at them. Imported first, before any patch.
     with _LOCK:
-        _SHARD_TENSOR[:] = [DTensor]  # ShardTensors and plain DTensors alike
+        if dtensors is not None or not _SHARD_TENSOR:
+            _SHARD_TENSOR[:] = [DTensor if dtensors else ShardTensor]
+        if not _ORIGINALS:
+            _hook_dynamo()
         for name in PATCHED_NAMES:
             if name in _ORIGINALS:
                 continue
@@ -209,13 +220,73 @@ def enable() -> None:
                 _WRAPPERS[key] = _wrapper(name, original)
             setattr(F, name, _WRAPPERS[key])
         _hook_natten()
-        if traced.TRACEABLE and not _TRACED_CALLS:  # (for messages_in_graphs())
-            _TRACED_CALLS.update({name: _nonstrict(name) for name in PATCHED_NAMES})
+        if "torch._dynamo" in sys.modules:
+            _made_for_dynamo()
+
+
+def _made_for_dynamo() -> None:
+    """The nonstrict-traced calls (for ``messages_in_graphs()``), made once dynamo is
+    imported: dynamo must meet them made, outside the code it compiles."""
+    if traced.TRACEABLE and not _TRACED_CALLS:
+        _TRACED_CALLS.update({name: _nonstrict(name) for name in PATCHED_NAMES})
+
+
+# -- dynamo imported while F is patched ---------------------------------------------
+# dynamo, imported, records which torch.nn.functional functions it may trace into (those
+# boolean_dispatch makes, max_pool2d's); imported while they are patched (the first
+# torch.compile, or an op's meta check that imports it), it would take ours for torch's
+# and break every compiled graph at them, plain tensors too. Importing it in enable()
+# cost every rank 0.8 s; instead its import runs with torch's functions in place.
+
+
+class _DynamoFinder(importlib.abc.MetaPathFinder):
+    """``torch._dynamo``'s import, while patched, runs with torch's own functions in place."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch._dynamo" or not _ORIGINALS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _UnpatchedLoader(spec.loader)
+                return spec
+        return None
+
+
+class _UnpatchedLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        with _LOCK:
+            patched_now = {name: getattr(F, name) for name in _ORIGINALS}
+            try:
+                for name, original in _ORIGINALS.items():
+                    setattr(F, name, original)
+                self.loader.exec_module(module)
+            finally:
+                for name, wrapper in patched_now.items():
+                    setattr(F, name, wrapper)
+        _made_for_dynamo()
+
+
+_DYNAMO_FINDER = _DynamoFinder()
+
+
+def _hook_dynamo() -> None:
+    if "torch._dynamo" not in sys.modules and _DYNAMO_FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _DYNAMO_FINDER)
 
 
 def disable() -> None:
     """Put the original functions back (a second call changes nothing)."""
     with _LOCK:
+        _SHARD_TENSOR.clear()  # (the next enable() routes ShardTensors only, unless told)
         for name, original in list(_ORIGINALS.items()):
             setattr(F, name, original)
             del _ORIGINALS[name]
@@ -297,14 +368,19 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def patched():
+def patched(*, dtensors: bool | None = None):
     """Patch inside the block; afterwards the patches are as they were before it.
 
     Inside, a ``torch.nn.functional`` call (or an ``nn`` module that makes one) whose
     arguments include a ShardTensor runs shardlab's sharded version; every other call runs
-    torch's original, unchanged. Communicates nothing itself: each sharded op sends what it
-    needs (a convolution its halo rows, point to point; a norm one all-reduce; attention the
-    K/V ring), as :func:`shardlab.trace` shows.
+    torch's original, unchanged, plain DTensors too. ``dtensors=True`` takes plain
+    DTensors over inside the block (see :func:`enable`): a DTensor image cut along H then
+    gets the halo convolution, where torch convolves each block alone (no halo) and
+    labels the result ``Replicate()``; its result is a ShardTensor.
+
+    Communicates nothing itself: each sharded op sends what it needs (a convolution its
+    halo rows, point to point; a norm one all-reduce; attention the K/V ring), as
+    :func:`shardlab.trace` shows.
 
     Example::
 
@@ -314,10 +390,13 @@ def patched():
             y.sum().backward()
     """
     with _LOCK:
-        was = is_enabled()
-        enable()
+        was, routes = is_enabled(), list(_SHARD_TENSOR)
+        enable(dtensors=dtensors)
     try:
         yield
     finally:
-        if not was:
-            disable()
+        with _LOCK:
+            if not was:
+                disable()
+            else:
+                _SHARD_TENSOR[:] = routes

@@ -124,7 +124,6 @@ def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
     return grad
 
 
-
 def dtensor_grad_local(grad, mesh, layout: ShardLayout, dims=None):
     """This rank's block of the gradient of a plain DTensor read as ``layout`` on ``mesh``
     (its own mesh, or a mesh it is a sub-mesh of: ``dims``, the mesh dims it lives on),

@@ -315,6 +315,32 @@ class ShardTensor(DTensor):
                     )
         return _FromLocal.apply(local_tensor, mesh, layout, stride)
 
+    @staticmethod
+    def from_dtensor(dtensor: DTensor) -> ShardTensor:
+        """A plain DTensor (``distribute_tensor``, ``parallelize_module``) as a ShardTensor:
+        the same blocks (DTensor's ``torch.chunk`` sizes), nothing sent, differentiable
+        (the DTensor gets its gradient back as a DTensor).
+
+        The explicit way to let shardlab run torch's own DTensors: with the patch on, a
+        call whose arguments are plain DTensors runs torch's code, which for example
+        convolves an image cut along H block by block, without halos, and labels the
+        result ``Replicate()``; the ShardTensor gets the halo convolution, exact.
+
+        Example::
+
+            x = distribute_tensor(img, mesh, [Shard(2)])           # torch's
+            y = conv(ShardTensor.from_dtensor(x))                  # halos, exact
+        """
+        from shardlab.tensor.interop import from_dtensor
+
+        if not isinstance(dtensor, DTensor):
+            raise TypeError(
+                f"from_dtensor: dtensor must be a DTensor, got {type(dtensor).__name__}"
+            )
+        if isinstance(dtensor, ShardTensor):
+            return dtensor
+        return from_dtensor(dtensor)
+
     # -- leaving -----------------------------------------------------------
     @traced.eager
     def to_local(self, *, grad_placements=None) -> torch.Tensor:

@@ -16,6 +16,7 @@ returns the rank's new local tensor; autograd lives in ``api.py``. The *what*
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,23 @@ def my_coord(mesh) -> tuple[int, ...]:
     coord = mesh.get_coordinate()
     if coord is None:
         raise RuntimeError("this rank is not part of the mesh")
+    for c in coord:
+        if type(c) is not int:
+            _symbolic_coord(coord)
     return tuple(coord)
+
+
+def _symbolic_coord(coord) -> None:
+    """A mesh coordinate that is no number: torch's ``LocalTensorMode`` (one process that
+    simulates every rank: a coordinate holds each simulated rank's value)."""
+    mode = sys.modules.get("torch.distributed._local_tensor")
+    if mode is not None and getattr(mode, "local_tensor_mode", lambda: None)() is not None:
+        raise NotImplementedError(
+            "ShardTensors do not run under torch's LocalTensorMode (one process simulating "
+            f"every rank: this mesh coordinate is {list(coord)}, one value per simulated "
+            "rank); plain DTensors do, with shardlab's patch on or off. Run ShardTensors "
+            "on real ranks: shardlab.Ranks(n), %%ranks, or torchrun"
+        )
 
 
 def rank_at(mesh, coord) -> int:

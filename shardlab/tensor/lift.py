@@ -72,8 +72,7 @@ def _lift_trainable(args, kwargs):
     )
     sub = any(isinstance(a, DTensor) and a.device_mesh != mesh for a in leaves)
     adopted = any(
-        isinstance(a, DTensor) and type(a) is not ShardTensor and a.requires_grad
-        for a in leaves
+        isinstance(a, DTensor) and type(a) is not ShardTensor and a.requires_grad for a in leaves
     )
     if not plain and not sub and not adopted:
         return args, kwargs

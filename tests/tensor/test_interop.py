@@ -31,12 +31,13 @@ def test_parallelize_module_mlp_on_shard_tensors(ranks_for):
     assert ranks_for(2).run(body) == [[True, True]] * 2
 
 
-def test_patched_functions_take_plain_dtensors(ranks_for):
-    """torch's own tensor parallelism hands plain DTensors to ``F`` calls: a
+def test_patched_functions_take_plain_dtensors_when_asked(ranks_for):
+    """Inside ``patched(dtensors=True)`` shardlab takes torch's plain DTensors over: a
     ``ColwiseParallel(use_local_output=False)`` head gives ``Shard(-1)`` logits, and
     ``F.cross_entropy`` is then vocab-parallel (2 all-reduces forward) and exact, also
     where torch's ``loss_parallel`` is not (ignored targets, label smoothing). A conv on a
-    ``distribute_tensor`` input is a halo conv. Gradients come back as DTensors."""
+    ``distribute_tensor`` input is a halo conv. Gradients come back as DTensors. (Plain
+    ``patched()`` leaves them to torch: ``tests/test_patch_borders.py``.)"""
 
     def body():
         import torch.nn.functional as F
@@ -53,7 +54,7 @@ def test_patched_functions_take_plain_dtensors(ranks_for):
         want = [p.grad.clone() for p in head.parameters()]
         head.zero_grad(set_to_none=True)
         parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
-        with shardlab.patched(), shardlab.trace() as tr:
+        with shardlab.patched(dtensors=True), shardlab.trace() as tr:
             logits = head(x)  # a plain DTensor, Shard(-1)
             kind = type(logits) is DTensor
             loss = F.cross_entropy(logits, t, label_smoothing=0.1)
@@ -65,7 +66,7 @@ def test_patched_functions_take_plain_dtensors(ranks_for):
 
         img = torch.randn(1, 2, 9, 5, dtype=torch.float64)
         conv = torch.nn.Conv2d(2, 3, 3, padding=1).double()
-        with shardlab.patched():
+        with shardlab.patched(dtensors=True):
             y = conv(distribute_tensor(img, mesh, [Shard(2)]))
         ok &= torch.allclose(y.full_tensor(), conv(img))
         return ok, fwd
