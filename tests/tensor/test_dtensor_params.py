@@ -8,7 +8,8 @@ a gradient comes back a DTensor (never a ShardTensor), its sum over the ranks pe
 (``Partial()``) where torch's backward leaves it pending, so the backward sends nothing
 for it; an optimizer step (torch's: it reduces the pending sums) equals one device's.
 Each family runs through patched ``F`` calls (conv, norms, attention, linear) and aten
-rules (matmul, element-wise) alike.
+rules (matmul, element-wise, embedding, PReLU) alike. Parameters that are Replicate
+ShardTensors of the user's own are summed once too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def _families():
         def forward(self, x):
             return torch.tanh(x @ self.w + self.b) * self.g
 
+    class Embed(nn.Module):  # embedding (aten), instance norm, PReLU's weight (aten)
+        def __init__(self):
+            super().__init__()
+            self.emb, self.act = nn.Embedding(10, 8), nn.PReLU(8)
+            self.norm = nn.InstanceNorm1d(8, affine=True)
+            self.conv = nn.Conv1d(8, 4, 3, padding=2, dilation=2)
+
+        def forward(self, ids):  # (B, S) ids, S cut
+            h = self.emb(ids).transpose(1, 2)  # (B, 8, S)
+            return self.conv(self.act(self.norm(h)))
+
     conv = nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
         nn.GroupNorm(2, 4),
@@ -68,13 +80,14 @@ def _families():
         "block": (Block(), (2, 11, 8), 1),
         "head": (Head(), (2, 11, 8), 1),
         "aten": (Aten(), (2, 11, 8), 1),
+        "embed": (Embed(), (2, 11), 1),
     }
 
 
-FAMILIES = ["conv", "block", "head", "aten"]
+FAMILIES = ["conv", "block", "head", "aten", "embed"]
 
 
-def _check(family, mesh, placements, sizes, place_params, batch_dim=None):
+def _check(family, mesh, placements, sizes, place_params, grad_type=None):
     """Run ``family`` on one device and cut (``placements``/``sizes`` on ``mesh``), its
     parameters placed by ``place_params(model)``; one SGD step each. Returns what differs
     (empty when exact) and the kinds of the backward's messages."""
@@ -84,11 +97,15 @@ def _check(family, mesh, placements, sizes, place_params, batch_dim=None):
 
     import shardlab
 
+    grad_type = grad_type or DTensor
     torch.manual_seed(0)
     model, shape, _ = _families()[family]
     model = model.double()
     g = torch.Generator().manual_seed(1)
-    inp = torch.randn(shape, dtype=torch.float64, generator=g)
+    if family == "embed":
+        inp = torch.randint(0, 10, shape, generator=g)
+    else:
+        inp = torch.randn(shape, dtype=torch.float64, generator=g)
     one = copy.deepcopy(model)
     ref = one(inp)
     ref.square().sum().backward()
@@ -106,7 +123,7 @@ def _check(family, mesh, placements, sizes, place_params, batch_dim=None):
         bad.append("output")
     for (name, p), q in zip(model.named_parameters(), one.parameters()):
         grad = p.grad
-        if type(grad) is not DTensor:  # torch's type, never a ShardTensor
+        if type(grad) is not grad_type:  # torch's type, never a ShardTensor
             bad.append(f"{name}.grad is {type(grad).__name__}")
             continue
         if not torch.allclose(grad.full_tensor(), q.grad, **_TOL):
@@ -122,6 +139,21 @@ def _replicated(mesh):
     from torch.distributed.tensor import distribute_module
 
     return lambda model: distribute_module(model, mesh)
+
+
+def _shard_tensor_params(mesh):
+    """Every parameter a Replicate ShardTensor of its own (``shardlab.distribute``)."""
+    from torch.distributed.tensor import Replicate
+
+    import shardlab
+
+    def place(model):
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                st = shardlab.distribute(p.detach(), mesh, [Replicate()])
+                setattr(module, name, torch.nn.Parameter(st))
+
+    return place
 
 
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.more_worlds)])
@@ -148,6 +180,29 @@ def test_distribute_module_parameters_are_exact(ranks_for, world):
         for family, (bad, labels) in got.items():
             assert bad == [], (family, bad)
             assert not [lb for lb in labels if "redistribute" in lb or "params" in lb], labels
+
+
+def test_shard_tensor_parameters_are_exact(ranks_for):
+    """Parameters that are Replicate ShardTensors (``shardlab.distribute``): their
+    gradients (ShardTensors) are summed once, where the ops summed them twice (N x)."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+
+        from shardlab import ShardTensor, this_rank
+
+        mesh = this_rank().mesh
+        out = {}
+        for family in FAMILIES:
+            _, shape, dim = _families()[family]
+            sizes = [_zoo.uneven(shape[dim], 3)]
+            place = _shard_tensor_params(mesh)
+            out[family] = _check(family, mesh, [Shard(dim)], sizes, place, ShardTensor)[0]
+        return out
+
+    for got in ranks_for(3).run(body):
+        for family, bad in got.items():
+            assert bad == [], (family, bad)
 
 
 def test_parameters_on_a_2d_mesh_and_on_a_sub_mesh(ranks_for):
