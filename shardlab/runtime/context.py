@@ -171,6 +171,69 @@ def init_rank(
     return _CONTEXT
 
 
+_MESH_GROUPS: dict = {}  # DeviceMesh's sub-group arguments -> the group (a pool's rank)
+
+
+def reuse_mesh_groups() -> None:
+    """In a rank of a :class:`shardlab.Ranks` pool: a ``DeviceMesh`` whose dims group the
+    same ranks as an earlier mesh's (the same shape, made again in each run of a cell)
+    gets that mesh's process groups back instead of new ones. Each new gloo group holds
+    sockets and threads that poll them until the process ends: 100 meshes of (2, 2) made
+    605 threads per rank that burnt a fifth of a core each while idle. torch's own
+    ``new_group`` is untouched; only the name ``torch.distributed.device_mesh`` calls is
+    replaced, and the groups die with the rank (the pool's close or restart). A group
+    someone destroyed is made anew."""
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.distributed_c10d as c10d
+
+    made = device_mesh.new_group
+    if getattr(made, "reuses_groups", False):
+        return
+
+    def new_group(*args, **kwargs):
+        # (the description names the mesh dim: groups of the same ranks are shared)
+        rest = tuple(sorted((k, v) for k, v in kwargs.items() if k != "group_desc"))
+        key = (_key(args), _key(rest))
+        hit = _MESH_GROUPS.get(key)
+        if hit is not None and _alive(hit):
+            return hit
+        if _whole_world(args, kwargs):  # every rank, torch's defaults: the default group
+            return c10d._get_default_group()
+        group = made(*args, **kwargs)
+        _MESH_GROUPS[key] = group
+        return group
+
+    new_group.reuses_groups = True  # type: ignore[attr-defined]
+    device_mesh.new_group = new_group
+
+
+def _whole_world(args, kwargs) -> bool:
+    import torch.distributed as dist
+
+    ranks = args[0] if args else kwargs.get("ranks")
+    defaults = all(
+        kwargs.get(k) is None for k in ("timeout", "backend", "pg_options")
+    ) and not kwargs.get("use_local_synchronization", False)
+    return len(args) <= 1 and defaults and list(ranks or ()) == list(range(dist.get_world_size()))
+
+
+def _key(value):
+    """``value`` as a dict key: lists as tuples, other unhashable objects by identity."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def _alive(group) -> bool:
+    import torch.distributed.distributed_c10d as c10d
+
+    return group is c10d.GroupMember.NON_GROUP_MEMBER or group in c10d._world.pg_map
+
+
 def _destroy_group() -> None:
     """At exit: leave together, then destroy the groups and join their threads (else
     gloo may abort during interpreter finalization)."""

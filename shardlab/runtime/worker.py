@@ -171,6 +171,7 @@ def main(
             timeout=__import__("datetime").timedelta(seconds=timeout),
         )
         context.init_rank(rank, world_size, backend, timeout, store=store, device=device)
+        context.reuse_mesh_groups()
     except BaseException as exc:  # noqa: BLE001
         conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc(), "", False))
         return
@@ -183,10 +184,29 @@ def main(
         if msg[0] == "close":
             break
         conn.send(_run_one(msg[1]))
+    _release()
+    os._exit(0)
+
+
+def _release() -> None:
+    """What the rank holds beyond its memory, given back before ``os._exit`` (which runs no
+    ``atexit`` handler, nor multiprocessing's exit): torch.compile's compile workers, the
+    finalizers of multiprocessing objects (tqdm's lock, made by inductor's progress bar: a
+    named semaphore the resource tracker reported leaked at the script's end), and every
+    process group."""
+    from multiprocessing import util
+
+    compile_workers = sys.modules.get("torch._inductor.async_compile")
+    try:
+        if compile_workers is not None:
+            compile_workers.shutdown_compile_workers()
+        util._run_finalizers(0)  # (what a multiprocessing child runs at its exit)
+        util._run_finalizers()
+    except Exception:  # noqa: BLE001 - the pool is going away anyway
+        pass
     try:
         import torch.distributed as dist
 
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the pool is going away anyway
         pass
-    os._exit(0)
