@@ -91,6 +91,28 @@ def test_meshes_made_again_do_not_pile_up(ranks_for):
         assert last[2] <= first[2] * 1.05, (first, last)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_a_mesh_per_ranks_cell_does_not_pile_up(ranks_for, capsys):
+    """500 ``%%ranks`` cells, each making its 2-D mesh with torch's ``init_device_mesh``
+    (as a learner re-running a cell does): threads and open files per rank as after the
+    first cell, memory within 5 %."""
+    from shardlab.runtime.magic import ranks_magic
+
+    pool = ranks_for(4)
+    cell = (
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'cp'))\n"
+    )
+    ranks_magic("r", cell, {"r": pool})
+    first = pool.run(_threads_files_rss)
+    for _ in range(499):
+        ranks_magic("r", cell, {"r": pool})
+    last = pool.run(_threads_files_rss)
+    capsys.readouterr()
+    for a, b in zip(first, last):
+        assert b[:2] == a[:2] and b[2] <= a[2] * 1.05, (first, last)
+
+
 def test_args_kwargs_and_closures(ranks_for):
     offset = 10  # captured by value from this frame, as in a notebook
     fn = lambda a, *, b: this_rank().rank * a + b + offset
