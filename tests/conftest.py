@@ -49,8 +49,16 @@ def docs_site() -> pathlib.Path:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "more_worlds: a sweep's extra world sizes and mesh shapes (CI runs them on torch "
-        "2.13, the README's command, and skips them on 2.11 and 2.15 with -m 'not "
-        "more_worlds' to stay under 30 minutes; every sweep still runs on each version at "
-        "its other sizes: the op database on 3 ranks, dims 0 and -1)",
+        "slow: compiles whole models, sweeps the op database through the compiler, or "
+        "executes the tutorials (the docs build, the 3-rank reruns, the browser): the "
+        "README's command leaves them out (-m 'not slow and not more_worlds', under 12 "
+        "minutes on 2 cores); CI runs them after it, on torch 2.13, and on 2.11 and 2.15 "
+        "without the notebooks",
+    )
+    config.addinivalue_line(
+        "markers",
+        "more_worlds: a sweep's extra world sizes and mesh shapes (the README's command "
+        "leaves them out; CI runs them after it on torch 2.13, and skips them on 2.11 and "
+        "2.15 with -m 'not more_worlds'; every sweep still runs on each version at its "
+        "other sizes: the op database on 3 ranks, dims 0 and -1)",
     )

@@ -33,6 +33,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # (runs notebooks in JupyterLab, builds the site)
+
 ROOT = pathlib.Path(__file__).parent.parent
 TUTORIALS = sorted(ROOT.joinpath("tutorials").glob("[0-9]*.ipynb"))
 CHROMIUM = "/usr/bin/chromium"

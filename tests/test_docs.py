@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import DOCS, DOCS_TIMEOUT, ROOT, sphinx_build
 
 TUTORIALS = sorted(ROOT.joinpath("tutorials").glob("[0-9]*.py"))
-pytestmark = pytest.mark.timeout(DOCS_TIMEOUT)
+pytestmark = [pytest.mark.timeout(DOCS_TIMEOUT), pytest.mark.slow]  # (executes every tutorial)
 
 
 def public_names():

@@ -20,6 +20,7 @@ TUTORIALS = sorted(pathlib.Path(__file__).parent.parent.joinpath("tutorials").gl
 OTHER_WORLDS = [p for p in TUTORIALS if not p.stem.startswith("12_")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3])
 @pytest.mark.parametrize("path", OTHER_WORLDS, ids=[p.stem for p in OTHER_WORLDS])
 def test_tutorial_runs_with_other_world_sizes(path, world):

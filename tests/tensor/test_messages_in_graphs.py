@@ -54,6 +54,7 @@ def _breaks_and_graphs():
 
 @needs_traceable
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_ops_that_send_compile_into_one_graph(ranks_for):
     """Each op alone, cut [7, 3], then [5, 5] and [7, 3] again (a graph per layout): one
     graph, no break, its messages in the graph, equal to torch."""
@@ -160,6 +161,7 @@ def test_a_graphs_messages_are_chained_in_the_order_traced(ranks_for):
 
 @needs_traceable
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_transformers_models_compile_with_their_messages(ranks_for):
     """The zoo's ResNet, ViT and Llama, unchanged, cut over 2 uneven ranks: logits and
     every gradient equal the eager sharded step and one device; no graph break (the

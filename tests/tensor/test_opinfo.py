@@ -262,7 +262,8 @@ def _weighted(out, ws, full=lambda t: t):
 
 @pytest.mark.parametrize(
     ("world", "dim"),
-    [(1, 0), pytest.param(1, -1, marks=pytest.mark.more_worlds), (3, 0), (3, -1),
+    [pytest.param(1, 0, marks=pytest.mark.more_worlds),
+     pytest.param(1, -1, marks=pytest.mark.more_worlds), (3, 0), (3, -1),
      pytest.param(4, 0, marks=pytest.mark.more_worlds),
      pytest.param(4, -1, marks=pytest.mark.more_worlds)],
 )  # fmt: skip
@@ -317,6 +318,7 @@ def test_op_db_on_a_2d_mesh(ranks_for, dim, two_d):
      (0, "inductor", slice(1, None, 12), False), (0, "aot_eager", slice(3, None, 8), True),
      (-1, "aot_eager", slice(5, None, 8), True)],
 )  # fmt: skip
+@pytest.mark.slow
 def test_op_db_compiled_as_eager(ranks_for, dim, backend, ops, in_graphs):
     """``torch.compile(op)`` on a ShardTensor cut unevenly over 2 ranks (a fresh dynamo
     each op; the sample's arguments of its shape cut too): the same verdict as the eager

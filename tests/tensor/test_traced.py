@@ -160,6 +160,7 @@ def test_plain_tensors_of_new_sizes_recompile_exactly(ranks_for, world):
     assert ranks_for(world).run(body) == [[]] * world
 
 
+@pytest.mark.slow
 def test_a_compiled_decoder_takes_a_new_sequence_length(ranks_for):
     """The zoo's Llama compiled, then given a longer sequence (13 then 17 tokens, cut
     unevenly over 2 ranks): the step equals the eager sharded step for both lengths
@@ -239,6 +240,7 @@ def test_a_tensor_parallel_module_compiles_exactly(ranks_for, world):
     assert ranks_for(world).run(body) == [[]] * world
 
 
+@pytest.mark.slow
 def test_a_whole_compiled_train_step_equals_torchs(ranks_for):
     """A whole training step compiled as one function (the zoo's Llama forward, its loss's
     backward, an AdamW step), on ids cut unevenly over 2 ranks: the parameters after each
@@ -367,6 +369,7 @@ def test_conv_stack_and_the_tutorial_unet_compile_exactly(ranks_for, world):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.slow
 def test_conv_stack_and_the_tutorial_unet_compile_exactly_with_their_messages(ranks_for, world):
     """The same inside ``shardlab.messages_in_graphs()``: 3 ranks (a 1-D mesh) and 4 (a 2x2
     mesh, H and W cut), the halos inside the graphs."""
@@ -414,6 +417,7 @@ def _zoo_step(model, full, labels, cut=None):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_transformers_models_compile_exactly(ranks_for):
     pytest.importorskip("transformers")
 
@@ -474,6 +478,7 @@ def test_transformers_models_compile_exactly(ranks_for):
 
 @pytest.mark.more_worlds
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_transformers_models_compile_exactly_on_a_2d_mesh(ranks_for):
     """A 2x2 mesh, both mesh dims cutting: Llama's ids by batch and by sequence (uneven),
     ViT's image by H and by W (uneven); compiled (aot_eager) equals the eager sharded step
@@ -523,6 +528,7 @@ def test_transformers_models_compile_exactly_on_a_2d_mesh(ranks_for):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_a_masked_lm_compiles_exactly(ranks_for):
     """BERT's masked-LM loss reads its scores flattened to (B*S, V) with S cut (a strided
     dim); compiled on 2 ranks (aot_eager, padded batch from ``shard_batch``), logits and
@@ -666,6 +672,7 @@ needs_traceable = pytest.mark.skipif(
 
 
 @needs_traceable
+@pytest.mark.slow
 def test_one_rank_models_compile_to_one_graph(ranks_for):
     """The zoo's ResNet, ViT, Swin and Llama on one rank, compiled unchanged: one graph, no
     graph break, logits and every gradient (plain tensors, as eagerly) equal to the
