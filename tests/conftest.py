@@ -16,6 +16,14 @@ SITE = DOCS / "_build" / "html"
 DOCS_TIMEOUT = 1800
 
 
+def python_last_line(code: str, timeout: float = 300) -> str:
+    """Run ``code`` in a fresh interpreter; the last line it prints (it must exit 0)."""
+    run = [sys.executable, "-c", code]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
 def sphinx_build(*extra: str) -> tuple[float, str]:
     """``python -m sphinx -W`` of docs/ into docs/_build/html: (seconds, output)."""
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", *extra]

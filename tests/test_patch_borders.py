@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import python_last_line
+
 
 def _scenarios():
     """name -> fn(mesh) -> a picklable record of what torch shows."""
@@ -271,18 +273,13 @@ def test_enable_imports_no_compiler():
     """``import shardlab`` and ``enable()`` import neither dynamo nor a plotting library
     (a fresh interpreter); dynamo imported afterwards, inside the patch, still sees torch's
     own functions (``tests/test_patch.py`` compiles with it)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch.distributed.tensor, shardlab\n"
         "shardlab.enable()\n"
         "print(sorted(m for m in ('torch._dynamo', 'matplotlib', 'transformers') "
         "if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert python_last_line(code) == "[]"
 
 
 _LOCAL_TENSOR_SCRIPT = """
@@ -326,12 +323,5 @@ def test_local_tensor_mode_plain_dtensors_and_a_clear_error():
     """torch's single-process simulator of ranks (``LocalTensorMode``, mesh coordinates are
     per-rank values): plain DTensors run the same with the patch as without (layer norm,
     interpolate, cross-entropy, conv); a ShardTensor says it does not run there."""
-    import subprocess
-    import sys
-
     pytest.importorskip("torch.distributed._local_tensor")
-    out = subprocess.run(
-        [sys.executable, "-c", _LOCAL_TENSOR_SCRIPT], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "True True", out.stdout
+    assert python_last_line(_LOCAL_TENSOR_SCRIPT) == "True True"
