@@ -1,5 +1,6 @@
 """ShardTensor next to DTensor's own tensor parallelism (parallelize_module)."""
 
+import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
@@ -73,3 +74,36 @@ def test_patched_functions_take_plain_dtensors_when_asked(ranks_for):
 
     for ok, fwd in ranks_for(2).run(body):
         assert ok and fwd == ["all_reduce", "all_reduce"], fwd
+
+
+def test_opt_einsum_takes_shard_tensors_as_torch_tensors(ranks_for):
+    """opt_einsum picks its backend from the module of a tensor's class ("shardlab" for a
+    ShardTensor, which it did not know: it fell back to NumPy and failed on a tensor that
+    requires grad). Told that shardlab's tensors are torch's, its contraction on a
+    ShardTensor cut along the batch is exact, forward and backward, and stays cut."""
+    pytest.importorskip("opt_einsum")
+
+    def body():
+        import opt_einsum
+
+        from shardlab import ShardTensor
+
+        mesh = shardlab.this_rank().mesh
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(7, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+        w = torch.randn(4, 5, dtype=torch.float64, generator=g, requires_grad=True)
+        v = torch.randn(5, 2, dtype=torch.float64, generator=g)
+        ref = opt_einsum.contract("bij,jk,kl->bil", x, w, v)
+        ref.square().sum().backward()
+        want = x.grad.clone(), w.grad.clone()
+        x.grad = w.grad = None
+        cut = shardlab.distribute(x, mesh, [Shard(0)], [[4, 3]])
+        y = opt_einsum.contract("bij,jk,kl->bil", cut, w, v)
+        y.square().sum().backward()
+        return (
+            type(y) is ShardTensor and y.placements == (Shard(0),),
+            torch.allclose(y.full_tensor(), ref),
+            torch.allclose(x.grad, want[0]) and torch.allclose(w.grad, want[1]),
+        )
+
+    assert ranks_for(2).run(body) == [(True, True, True)] * 2
