@@ -12,7 +12,7 @@ raises a clear error, never a silently missing term."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab.layout import ShardLayout
 from shardlab.tensor import comm
@@ -132,8 +132,6 @@ def dtensor_grad_local(grad, mesh, layout: ShardLayout, dims=None):
     rows), as torch's own backward leaves it (reduced when torch reduces it:
     ``full_tensor()``, the optimizer's step, FSDP's reduce-scatter). Sends nothing for
     those; sums the other Partial mesh dims; a ``Shard`` the gradient lacks moves back."""
-    from torch.distributed.tensor import Partial, Replicate
-
     target = _grad_layout(layout)
     pending = ()
     if isinstance(grad, ShardTensor) and grad._layout is not None:
@@ -156,8 +154,6 @@ def dtensor_grad(grad, mesh, layout: ShardLayout, placements, shape, stride) -> 
     used as a ShardTensor, as torch would hand it back: a DTensor of the same placements
     (Partial read as Replicate), a pending sum kept ``Partial()``
     (:func:`dtensor_grad_local`)."""
-    from torch.distributed.tensor import Partial, Replicate
-
     local, pending = dtensor_grad_local(grad, mesh, layout)
     places = [
         Partial() if m in pending else Replicate() if isinstance(p, Partial) else p
