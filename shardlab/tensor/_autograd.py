@@ -149,14 +149,15 @@ def dtensor_grad_local(grad, mesh, layout: ShardLayout, dims=None):
     return _local_of(grad, target, mesh), pending
 
 
-def dtensor_grad(grad, mesh, layout: ShardLayout, placements, shape, stride) -> DTensor:
-    """The gradient of a plain DTensor (``placements`` on ``mesh``, read as ``layout``)
-    used as a ShardTensor, as torch would hand it back: a DTensor of the same placements
-    (Partial read as Replicate), a pending sum kept ``Partial()``
-    (:func:`dtensor_grad_local`)."""
-    local, pending = dtensor_grad_local(grad, mesh, layout)
+def dtensor_grad(grad, mesh, layout: ShardLayout, on, placements, shape, stride, dims=None):
+    """The gradient of a plain DTensor (``placements`` on its mesh ``on``, read as ``layout``
+    on ``mesh``: ``on`` itself, or a mesh it is the sub-mesh ``dims`` of) used as a
+    ShardTensor, as torch would hand it back: a DTensor of the same placements (Partial
+    read as Replicate), a pending sum kept ``Partial()`` (:func:`dtensor_grad_local`)."""
+    local, pending = dtensor_grad_local(grad, mesh, layout, dims)
+    dims = range(len(placements)) if dims is None else dims
     places = [
-        Partial() if m in pending else Replicate() if isinstance(p, Partial) else p
-        for m, p in enumerate(placements)
+        Partial() if d in pending else Replicate() if isinstance(p, Partial) else p
+        for d, p in zip(dims, placements)
     ]
-    return DTensor.from_local(local, mesh, places, run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(local, on, places, run_check=False, shape=shape, stride=stride)

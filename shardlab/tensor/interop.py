@@ -47,8 +47,8 @@ class _FromDTensor(torch.autograd.Function):
     def backward(ctx, grad):
         from shardlab.tensor._autograd import dtensor_grad
 
-        grad = dtensor_grad(grad, ctx.mesh, ctx.layout, ctx.placements, ctx.shape, ctx.stride)
-        return grad, None
+        mesh, places = ctx.mesh, ctx.placements
+        return dtensor_grad(grad, mesh, ctx.layout, mesh, places, ctx.shape, ctx.stride), None
 
 
 def from_dtensor(dt):

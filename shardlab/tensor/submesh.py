@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.layout import ShardLayout
 from shardlab.tensor._once import first_order, passes_no_gradient
@@ -108,7 +108,7 @@ class _Embed(torch.autograd.Function):
     @staticmethod
     @first_order("a sub-mesh DTensor")
     def backward(ctx, grad):
-        from shardlab.tensor._autograd import dtensor_grad_local
+        from shardlab.tensor._autograd import dtensor_grad
         from shardlab.tensor.api import ShardTensor, _grad_layout, _local_of
 
         if ctx.shard:
@@ -124,13 +124,8 @@ class _Embed(torch.autograd.Function):
             return ShardTensor._wrap(local, ctx.sub, sub, stride=ctx.stride), None, None
         # a plain DTensor: the other mesh dims summed, its own keep a pending sum
         dims = sub_mesh_dims(ctx.sub, ctx.mesh)
-        local, pending = dtensor_grad_local(grad, ctx.mesh, ctx.layout, dims)
-        places = [
-            Partial() if d in pending else Replicate() if isinstance(p, Partial) else p
-            for d, p in zip(dims, ctx.placements)
-        ]
-        grad = DTensor.from_local(
-            local, ctx.sub, places, run_check=False, shape=ctx.shape, stride=ctx.stride
+        grad = dtensor_grad(
+            grad, ctx.mesh, ctx.layout, ctx.sub, ctx.placements, ctx.shape, ctx.stride, dims
         )
         return grad, None, None
 
