@@ -16,7 +16,7 @@ uneven sizes; a step is forward + backward of the model's own loss, unchanged, u
   (forward + backward), eager and compiled;
 * exact: largest difference of the compiled step's logits and gradients against eager.
 
-shardlab's design (``shardlab/tensor/traced.py``): on a mesh of one rank the whole step is
+shardlab's design (``shardlab/comm/traced.py``): on a mesh of one rank the whole step is
 traced (one graph); cut over several ranks each ShardTensor op runs eagerly between graphs
 (a graph break) and the plain-tensor code around it is compiled.
 """

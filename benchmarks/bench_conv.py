@@ -117,11 +117,11 @@ def _overlap(size, channels, reps):
     from torch.distributed.tensor import Shard
 
     import shardlab
+    from shardlab.comm.halo import peers_along, post_halo
     from shardlab.demo._common import gather
     from shardlab.layout import chunk_sizes, conv_plan
     from shardlab.ops import _conv_overlap
     from shardlab.ops import conv as C
-    from shardlab.ops.halo import peers_along, post_halo
 
     me, n = dist.get_rank(), dist.get_world_size()
     mesh = shardlab.this_rank().mesh

@@ -8,7 +8,7 @@ Tensor (4, 16·N, 32) cut along dim 1 on a 1- and a 2-rank gloo mesh (even sizes
 DTensor's layout is the same one), float32; median over ``rounds`` of the mean of ``reps``
 calls, microseconds, on rank 0 (both ranks run the same loop; ops that communicate wait
 for the other). ShardTensor's calls hit the decision cache after the first
-(``shardlab/tensor/decisions.py``) where its family has one. Ratio: ShardTensor / DTensor.
+(``shardlab/engine/decisions.py``) where its family has one. Ratio: ShardTensor / DTensor.
 """
 
 from __future__ import annotations

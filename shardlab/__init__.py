@@ -6,6 +6,7 @@ pool of ranks can import torch in its forkserver while the kernel does too.
 
 import importlib
 
+from shardlab import _layers
 from shardlab._compat import check_torch_version
 
 check_torch_version()  # one clear message for an unsupported torch, before anything else
@@ -41,8 +42,16 @@ _LAZY = {
     "enable": "shardlab.patch",
     "disable": "shardlab.patch",
     "patched": "shardlab.patch",
-    "messages_in_graphs": "shardlab.tensor.traced",
+    "messages_in_graphs": "shardlab.comm.traced",
 }
+
+
+def _complete_the_class():
+    """The engine and the ops above :mod:`shardlab.tensor` (they install themselves on it)."""
+    import shardlab.ops  # noqa: F401  (imports shardlab.engine)
+
+
+_layers.after("shardlab.tensor", _complete_the_class)
 
 
 def __getattr__(name):

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 import wrapt
 from torch.distributed.tensor import DTensor
 
-from shardlab.tensor import traced
+from shardlab.comm import traced
+from shardlab.ops.registry import ORIGINALS
 
 __all__ = ["PATCHED_NAMES", "disable", "enable", "is_enabled", "patched"]
 
@@ -50,7 +51,7 @@ PATCHED_NAMES = (
 )  # fmt: skip
 
 _LOCK = threading.RLock()
-_ORIGINALS: dict[str, object] = {}
+_ORIGINALS = ORIGINALS  # name -> torch's own F.<name>, while it is patched
 _WRAPPERS: dict = {}  # (name, torch's function) -> its wrapper, made once
 _SHARD_TENSOR: list = []  # the class whose instances route a call: ShardTensor (set by
 # enable()), or DTensor inside ``patched(dtensors=True)``

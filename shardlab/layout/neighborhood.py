@@ -15,7 +15,7 @@ Several dims: the neighborhood is the product of the per-dim ones.
 
 On a sharded dim a rank needs the key rows its queries see: :func:`needed_rows` (exact,
 with gaps for dilation larger than the shard), turned into messages by
-:class:`NeighborhoodPlan` (the interface of the halo exchange, ``shardlab.ops.halo``).
+:class:`NeighborhoodPlan` (the interface of the halo exchange, ``shardlab.comm.halo``).
 """
 
 from __future__ import annotations

@@ -297,3 +297,9 @@ def slice_layout(layout: ShardLayout, dim: int, start: int, stop: int, step: int
                 for o, part in enumerate(layout.sizes[m])
             )
     return layout.replace(global_shape=tuple(shape), sizes=tuple(sizes))
+
+
+def clamp_index(v: int, n: int) -> int:
+    """A slice bound ``v`` of a dim of size ``n`` as torch clamps it (negative from the end)."""
+    v = v + n if v < 0 else v
+    return min(max(v, 0), n)

@@ -1,8 +1,12 @@
 """Sharded implementations of ``torch.nn.functional`` ops, one family per module.
 
-Importing this package registers every handler in :mod:`.registry`.
+Layer 6 of 7 (``layout`` → ``comm`` → ``tensor`` → ``engine`` → **ops** → ``patch``): it
+may import everything below it, nothing above. Importing this package imports the engine
+(which installs itself on the class) and registers every handler in :mod:`.registry`,
+and the calls taken over at ``__torch_function__`` (losses, quantiles, ``Tensor.unfold``).
 """
 
+import shardlab.engine  # noqa: F401  (installs the dispatcher on the class)
 from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     attention,
     conv,
@@ -10,11 +14,13 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     dropout,
     interpolate,
     linear,
+    losses,
     mha,
     neighborhood,
     norm,
     pad,
     pool,
+    quantile,
     unfold,
 )
 from shardlab.ops.registry import HANDLERS, register, supported

@@ -5,7 +5,7 @@
   before any message);
 * :func:`spatial_mesh_dims`: which mesh dim cuts which spatial dim;
 * :class:`RowPlan`: "rank r needs these global rows" -> exact point-to-point fetch,
-  with the interface :class:`shardlab.ops.halo.Halo` reads (``blocks``/``recvs``/
+  with the interface :class:`shardlab.comm.halo.Halo` reads (``blocks``/``recvs``/
   ``sends``/``local_index``), for windows a :class:`~shardlab.layout.ConvPlan` cannot
   describe (adaptive pooling, interpolation);
 * :class:`AllReduceSum`: a differentiable all-reduce (backward: all-reduce of the grad);
@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Shard
 
+from shardlab.comm import collectives, traced
+from shardlab.comm._once import first_order
+from shardlab.comm.recompute import fenced
 from shardlab.layout._windows import blocks_of
-from shardlab.tensor import collectives, grad_sum, traced
-from shardlab.tensor._once import first_order
-from shardlab.tensor.recompute import fenced
+from shardlab.tensor import grad_sum
 from shardlab.trace import label
 
 
@@ -76,7 +77,7 @@ def meta_call(fn, input, *args, **kwargs):
     Cached by the arguments' shapes, dtypes and values (torch's reference decompositions
     on meta tensors cost hundreds of microseconds; a training step repeats its calls);
     the result is only read (shapes), never written."""
-    from shardlab.tensor.aten._common import _key
+    from shardlab.engine.aten._common import _key
 
     try:
         with torch._C.DisableTorchFunctionSubclass():  # a ShardTensor's shape: no Python

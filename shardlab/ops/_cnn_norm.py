@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from shardlab.comm._once import first_order
+from shardlab.comm.recompute import fenced, kept
 from shardlab.ops._cnn_common import _all_reduce, summed_together
 from shardlab.tensor import grad_sum
-from shardlab.tensor._once import first_order
-from shardlab.tensor.recompute import fenced, kept
 
 
 @dataclass(frozen=True)

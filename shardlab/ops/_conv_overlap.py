@@ -14,7 +14,7 @@ One sharded spatial dim, rank r's window along it (k = 3, padding 1, stride 1)::
 
 The same messages and results as exchanging first (``conv.halo_overlap(False)``),
 the same memory (one window, saved for backward as before), and the exchange hidden
-behind the whole convolution. Backward as :class:`shardlab.ops.halo.Halo`'s: the
+behind the whole convolution. Backward as :class:`shardlab.comm.halo.Halo`'s: the
 window's gradient, its received rows' part sent home.
 """
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from shardlab.ops.halo import keep_for_send_back, post_halo, send_back, simple_window
-from shardlab.tensor._once import first_order
-from shardlab.tensor.recompute import fenced, kept
+from shardlab.comm._once import first_order
+from shardlab.comm.halo import keep_for_send_back, post_halo, send_back, simple_window
+from shardlab.comm.recompute import fenced, kept
 
 aten = torch.ops.aten
 

@@ -48,6 +48,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardlab.comm import collectives
+from shardlab.comm._once import first_order
+from shardlab.comm.p2p import post
+from shardlab.comm.recompute import fenced, kept
+from shardlab.comm.traced import cpu_numbers
 from shardlab.ops import _ring_kernels as kernels
 from shardlab.ops._attn_dropout import AttnDropout
 from shardlab.ops._ring_blocks import (
@@ -59,11 +64,6 @@ from shardlab.ops._ring_blocks import (
     merge,
     once,
 )
-from shardlab.tensor import collectives
-from shardlab.tensor._once import first_order
-from shardlab.tensor.comm import post
-from shardlab.tensor.recompute import fenced, kept
-from shardlab.tensor.traced import cpu_numbers
 from shardlab.trace import label
 
 

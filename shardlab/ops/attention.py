@@ -62,6 +62,8 @@ import math
 import torch
 from torch.distributed.tensor import Shard
 
+from shardlab.comm.halo import peers_along
+from shardlab.comm.traced import cpu_numbers
 from shardlab.layout import chunk_sizes, offsets
 from shardlab.ops import _ring_kernels as kernels
 from shardlab.ops._attn_args import (
@@ -79,10 +81,8 @@ from shardlab.ops._attn_args import (
 from shardlab.ops._attn_dropout import AttnDropout, check_p, lead_index
 from shardlab.ops._counter import draw_seed
 from shardlab.ops._ring import RingAttention, RingPlan
-from shardlab.ops.halo import peers_along
 from shardlab.ops.registry import register
 from shardlab.tensor.api import build_sizes, stride_like
-from shardlab.tensor.traced import cpu_numbers
 
 __all__ = [
     "balance",
@@ -211,8 +211,8 @@ def scaled_dot_product_attention(
 def attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
     """The handler's work, with the dropout mask's ``seed`` given (multi-head attention
     draws it once for the output and the weights it returns)."""
+    from shardlab.comm.p2p import my_coord
     from shardlab.tensor import ShardTensor
-    from shardlab.tensor.comm import my_coord
 
     ours = sequence_cut(query, key, value) or (
         dropout_p and any(isinstance(t, ShardTensor) for t in (query, key, value))
@@ -309,7 +309,7 @@ def dropout_mask(p, seed, ql, kl, mesh, coord) -> AttnDropout:
 def _ring_over(mesh, ring, kl, seq, coord):
     """(peers, my position, K/V block sizes) of a ring over the mesh dims ``ring`` that
     all cut the sequence (outer first): rank (i, j) holds the (i * n_j + j)-th block."""
-    from shardlab.tensor.comm import rank_at
+    from shardlab.comm.p2p import rank_at
 
     if _HEAD_TAIL.get():
         raise why("head_tail() with the sequence cut by two mesh dims; cut it by one")

@@ -31,11 +31,11 @@ import contextvars
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from shardlab.comm.halo import Halo, WindowRecipe, peers_along
 from shardlab.layout import conv_plan, same_padding
 from shardlab.layout._checks import placement_str
 from shardlab.ops._cnn_common import cut_once, meta_call, meta_like, summed_grads
 from shardlab.ops._conv_overlap import OverlappedConv, interior
-from shardlab.ops.halo import Halo, WindowRecipe, peers_along
 from shardlab.ops.registry import register
 
 __all__ = ["halo_overlap"]

@@ -58,14 +58,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardlab.comm import collectives, p2p
+from shardlab.comm._once import first_order
+from shardlab.comm.recompute import fenced, kept
+from shardlab.engine.aten._common import replicate_layout
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import cut_once, groups_over
 from shardlab.ops.registry import register
-from shardlab.tensor import collectives, comm
-from shardlab.tensor._once import first_order
 from shardlab.tensor.api import from_layout
-from shardlab.tensor.aten._common import replicate_layout
-from shardlab.tensor.recompute import fenced, kept
 from shardlab.trace import label
 
 __all__ = ["cross_entropy"]
@@ -127,7 +127,7 @@ def cross_entropy(
     input = cut_once("cross_entropy", input, (cd,))  # classes cut twice: by the first mesh dim
     mesh, layout = input.device_mesh, input.sharding
     class_dim, row_dims = ce_args.mesh_roles(layout, cd)
-    coord = comm.my_coord(mesh)
+    coord = p2p.my_coord(mesh)
     probs = tuple(target.shape) == tuple(input.shape)
     plan = _Plan(
         cd=cd,

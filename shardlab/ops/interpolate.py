@@ -46,6 +46,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from shardlab.comm.halo import Halo, peers_along
 from shardlab.ops._cnn_common import (
     RowPlan,
     check_input,
@@ -56,7 +57,6 @@ from shardlab.ops._cnn_common import (
     rewrap,
     spatial_mesh_dims,
 )
-from shardlab.ops.halo import Halo, peers_along
 from shardlab.ops.registry import HANDLERS, register
 
 _LINEAR = ("linear", "bilinear", "trilinear")

@@ -112,10 +112,10 @@ def _merged_mask(attn_mask, key_padding_mask, batch, heads, lq, lk, is_causal):
 def _weights(q, k, mask, causal, average, dropout_p, seed):
     """Attention weights of the local queries against all keys: (B, S_local, S_k);
     with dropout the dropped ones (the ring's mask, from the same seed), as torch's."""
+    from shardlab.comm.p2p import my_coord
     from shardlab.ops._attn_args import layout_of
     from shardlab.ops.attention import dropout_mask
     from shardlab.tensor import ShardTensor
-    from shardlab.tensor.comm import my_coord
 
     mesh = q.device_mesh
     k_all = k.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()  # (B, H, S_k, hd)

@@ -30,9 +30,9 @@ import math
 import torch
 from torch.distributed.tensor import Partial, Shard
 
+from shardlab.comm._once import first_order
+from shardlab.comm.recompute import fenced, kept
 from shardlab.layout.neighborhood import check_dim, neighborhood_plan, neighbors
-from shardlab.tensor._once import first_order
-from shardlab.tensor.recompute import fenced, kept
 
 __all__ = ["na1d", "na2d", "na3d", "neighborhood_attention"]
 
@@ -134,10 +134,10 @@ def _index(nb, a, b, rows, device):
 
 
 def _sharded(q, k, v, ks, ds, causal, scale, n):
-    from shardlab.ops.halo import Halo, peers_along
+    from shardlab.comm.halo import Halo, peers_along
+    from shardlab.comm.p2p import my_coord
     from shardlab.tensor import ShardTensor
     from shardlab.tensor.api import build_sizes
-    from shardlab.tensor.comm import my_coord
 
     if not isinstance(q, ShardTensor):
         raise NotImplementedError(

@@ -8,7 +8,7 @@ live (circular wraps between the last and the first rank)::
     rank 2 [ f g h | a ]        <- a from rank 0          sizes [5, 2, 4]
 
 Messages: exactly the rows the padding copies from other ranks, point to point
-(the pad is a window op with kernel 1 run by :class:`shardlab.ops.halo.Halo`).
+(the pad is a window op with kernel 1 run by :class:`shardlab.comm.halo.Halo`).
 
 Negative padding crops, as in torch: the rows cropped off a sharded dim are dropped
 where they live (a slice: no message), then the rest pads the cropped tensor (torch's
@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
+from shardlab.comm.halo import Halo, peers_along
 from shardlab.layout import conv_plan
 from shardlab.ops._cnn_common import cut_once, meta_call
-from shardlab.ops.halo import Halo, peers_along
 from shardlab.ops.registry import register
 
 _MODES = {

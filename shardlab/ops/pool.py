@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardlab.comm.halo import Halo, peers_along
 from shardlab.layout import conv_plan
 from shardlab.ops._cnn_common import (
     RowPlan,
@@ -46,7 +47,6 @@ from shardlab.ops._cnn_common import (
     spatial_mesh_dims,
 )
 from shardlab.ops.conv import _tuple
-from shardlab.ops.halo import Halo, peers_along
 from shardlab.ops.registry import register
 
 

@@ -4,7 +4,7 @@ Each op family (``conv.py``, ``pad.py`` …) registers its handlers with
 ``@register("conv2d")``; :mod:`shardlab.patch` routes a call to the handler
 when an argument is a ShardTensor. A handler has the signature of the torch
 function it replaces. A call follows torch's autocast policy
-(:mod:`shardlab.tensor.autocast`).
+(:mod:`shardlab.ops.autocast`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from shardlab.comm import traced
 from shardlab.ops._whole import NAMES as WHOLE_NAMES
 from shardlab.ops._whole import whole_call
-from shardlab.tensor import traced
 
 HANDLERS: dict[str, Callable] = {}
 ROW_WISE: set[str] = set()  # handlers that take strided dims as they are
@@ -46,12 +46,12 @@ def supported() -> list[str]:
 
 def dispatch(name: str, args, kwargs):
     """``F.<name>(*args, **kwargs)`` with ShardTensor (or plain DTensor) arguments:
-    the arguments prepared (:func:`shardlab.tensor.interop.prepare`: DTensors adopted,
+    the arguments prepared (:func:`shardlab.ops.interop.prepare`: DTensors adopted,
     Partial values reduced, strided dims made consecutive), then the handler. What
     :mod:`shardlab.patch` calls is :func:`call` (eager under ``torch.compile``), or this
     traced through inside ``shardlab.messages_in_graphs()``."""
-    from shardlab.tensor.autocast import autocast_call
-    from shardlab.tensor.interop import prepare
+    from shardlab.ops.autocast import autocast_call
+    from shardlab.ops.interop import prepare
 
     handler = HANDLERS.get(name)
     if handler is None:
@@ -74,14 +74,10 @@ call = traced.eager(dispatch)  # runs eagerly when reached from compiled code
 
 def original(name: str) -> Callable:
     """torch's own ``torch.nn.functional.<name>`` (also while it is patched)."""
-    if not _PATCH:
-        import shardlab.patch
-
-        _PATCH.append(shardlab.patch._ORIGINALS)
-    return _PATCH[0].get(name) or getattr(torch.nn.functional, name)
+    return ORIGINALS.get(name) or getattr(torch.nn.functional, name)
 
 
-_PATCH: list = []  # [shardlab.patch._ORIGINALS] (patch imports this module's users)
+ORIGINALS: dict[str, object] = {}  # name -> torch's function, while patched (shardlab.patch)
 
 
 def device_type(args, kwargs) -> str:

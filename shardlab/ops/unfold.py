@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
+from shardlab.comm.halo import Halo, peers_along
 from shardlab.layout import ShardLayout, conv_plan
 from shardlab.ops._cnn_common import cut_once
 from shardlab.ops.conv import _tuple
-from shardlab.ops.halo import Halo, peers_along
 from shardlab.ops.registry import register
+from shardlab.tensor import api
+from shardlab.tensor.api import ShardTensor, from_layout
 
 
 def _halo(x, input, dim, k, s, d, pads, cause):
@@ -49,8 +51,6 @@ def _cut_dims(layout, dims):
 @register("unfold")
 def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
     """``F.unfold`` of (N, C, H, W) or (C, H, W) with any of N, C, H, W cut."""
-    from shardlab.tensor.api import from_layout
-
     meta = F.unfold(
         torch.empty(input.shape, device="meta"), kernel_size, dilation, padding, stride
     )  # torch's own checks and shapes, alike on every rank
@@ -106,8 +106,6 @@ def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
 
 def tensor_unfold(x, dimension: int, size: int, step: int):
     """``Tensor.unfold(dimension, size, step)`` of a ShardTensor cut along ``dimension``."""
-    from shardlab.tensor.api import from_layout
-
     meta = torch.empty(x.shape, device="meta").unfold(dimension, size, step)  # torch's checks
     dim = dimension % max(x.ndim, 1)
     x = cut_once("unfold", x, (dim,))  # cut by two mesh dims: by the first one only
@@ -129,3 +127,13 @@ def tensor_unfold(x, dimension: int, size: int, step: int):
         tuple(meta.shape), layout.mesh_shape, layout.placements, tuple(entries), atoms, layout.cuts
     )
     return from_layout(y, x.device_mesh, out)
+
+
+def _unfold_call(func, args, kwargs):
+    """At ``__torch_function__``: ``x.unfold(...)`` of a ShardTensor with halos."""
+    if not isinstance(args[0], ShardTensor):
+        return NotImplemented
+    return tensor_unfold(*args, **kwargs)
+
+
+api.install(calls={torch.Tensor.unfold: _unfold_call})

@@ -1,5 +1,15 @@
-"""ShardTensor: DTensor with exact, arbitrary shard sizes (see ``api.py``)."""
+"""ShardTensor: DTensor with exact, arbitrary shard sizes (see ``api.py``).
 
+Layer 4 of 6 (``layout`` → ``comm`` → **tensor** → ``engine`` → ``ops`` → ``patch``): the
+class, its constructors, its autograd Functions, pickling and checkpoint hooks. It may
+import :mod:`shardlab.comm` and what is below it; nothing above it. The engine and the
+ops install themselves on the class (:func:`shardlab.tensor.api.install`) once this
+package is loaded (:mod:`shardlab._layers`).
+"""
+
+from shardlab import _layers
 from shardlab.tensor.api import ShardTensor, distribute, scatter_tensor
 
 __all__ = ["ShardTensor", "distribute", "scatter_tensor"]
+
+_layers.loaded(__name__)  # the engine and the ops, installed from above

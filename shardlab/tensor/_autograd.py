@@ -6,7 +6,7 @@ autograd records a call at all (the handlers skip their Functions when it does n
 Double backward (``create_graph=True``: a gradient penalty): these Functions are linear,
 and their backward is itself differentiable when the gradient has a history. The sharded
 ops' Functions (halos, rings, norms, cross-entropy) compute their backward on blocks and
-are marked :func:`~shardlab.tensor._once.first_order`: differentiating their backward
+are marked :func:`~shardlab.comm._once.first_order`: differentiating their backward
 raises a clear error, never a silently missing term."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from shardlab.comm import p2p
+from shardlab.comm._once import passes_no_gradient
+from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
-from shardlab.tensor import comm
-from shardlab.tensor._once import passes_no_gradient
+from shardlab.layout.dtensor import layout_of_dtensor
 from shardlab.tensor.api import ShardTensor, _grad_layout
-from shardlab.tensor.recompute import fenced
 
 __all__ = ["records"]
 
@@ -84,7 +85,7 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st, dst, cause="redistribute"):
         ctx.mesh, ctx.src = st.device_mesh, st._layout
-        local = comm.redistribute_local(st._local_tensor, st._layout, dst, st.device_mesh, cause)
+        local = p2p.redistribute_local(st._local_tensor, st._layout, dst, st.device_mesh, cause)
         return ShardTensor._wrap(local, st.device_mesh, dst)
 
     @staticmethod
@@ -108,13 +109,11 @@ def local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
 def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
     """This rank's block of ``grad`` in ``layout`` (redistributing if needed)."""
     if isinstance(grad, ShardTensor):
-        return comm.redistribute_local(
+        return p2p.redistribute_local(
             grad._local_tensor, grad._layout, layout, mesh, cause="redistribute backward"
         )
     if isinstance(grad, DTensor):  # e.g. from DTensor's own ops: chunk sizes
-        from shardlab.tensor.aten._common import layout_of_dtensor
-
-        return comm.redistribute_local(
+        return p2p.redistribute_local(
             grad._local_tensor,
             layout_of_dtensor(grad),
             layout,

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
+from shardlab.comm import p2p, traced
 from shardlab.layout import ShardLayout
-from shardlab.tensor import comm, nograd, recompute, submesh, traced
+from shardlab.tensor import backward, checkpoint, compiled_grads, submesh
 from shardlab.tensor._checks import (
     _check_device,
     _gather_shapes,
@@ -32,8 +33,6 @@ from shardlab.tensor._checks import (
     _placements,
     build_sizes,
 )
-from shardlab.tensor.losses import LOSSES, reduce_loss
-from shardlab.tensor.quantile import QUANTILES, quantile
 
 __all__ = ["ShardTensor", "scatter_tensor", "distribute"]
 
@@ -141,14 +140,14 @@ class ShardTensor(DTensor):
         self.__dict__.pop("_decided", None)  # (read once, by dispatch, after the op)
         super()._clear_non_serializable_cached_data()
 
-    # -- torch.compile (shardlab.tensor.traced): torch's DTensor format --------
+    # -- torch.compile (shardlab.comm.traced): torch's DTensor format --------
     def __tensor_flatten__(self):
         traced.prepare()  # dynamo (or AOTAutograd) is looking at a ShardTensor
         node = _CURRENT_NODE()  # a compiled backward reading its gradient (a tangent):
         if node is not None and type(node).__name__ == "CompiledFunctionBackward":
-            from shardlab.tensor import compiled_grads  # its parameters' partial gradients
-
-            compiled_grads.route(node)  # go to the end-of-backward sum
+            compiled_grads.route(
+                node
+            )  # its parameters' partial gradients: to the end-of-backward sum
         return DTensor.__tensor_flatten__(self)
 
     @staticmethod
@@ -177,7 +176,7 @@ class ShardTensor(DTensor):
         data = (
             base(self) if base is not None else repr(self._spec),
             repr(self._layout),
-            comm.my_coord(self.device_mesh),
+            p2p.my_coord(self.device_mesh),
             tuple(local.shape),
             local.stride(),
         )
@@ -201,18 +200,12 @@ class ShardTensor(DTensor):
 
     # -- torch.distributed.checkpoint: the real boxes (shardlab.tensor.checkpoint) ----
     def __create_write_items__(self, fqn: str, object):
-        from shardlab.tensor import checkpoint
-
         return checkpoint.create_write_items(self, fqn)
 
     def __create_chunk_list__(self):
-        from shardlab.tensor import checkpoint
-
         return checkpoint.create_chunk_list(self)
 
     def __get_tensor_shard__(self, index):
-        from shardlab.tensor import checkpoint
-
         return checkpoint.get_tensor_shard(self, index)
 
     # -- what it is --------------------------------------------------------
@@ -304,7 +297,7 @@ class ShardTensor(DTensor):
             if shape is None:
                 shape = _global_shape_from_local(local_tensor.shape, placements, sizes, mesh)
             layout = ShardLayout.build(shape, tuple(mesh.shape), placements, sizes)
-            coords = layout.coords() if validate else [comm.my_coord(mesh)]
+            coords = layout.coords() if validate else [p2p.my_coord(mesh)]
             for coord in coords:
                 have = shapes[coord] if validate else tuple(local_tensor.shape)
                 want = layout.local_shape(coord)
@@ -331,7 +324,7 @@ class ShardTensor(DTensor):
             x = distribute_tensor(img, mesh, [Shard(2)])           # torch's
             y = conv(ShardTensor.from_dtensor(x))                  # halos, exact
         """
-        from shardlab.tensor.interop import from_dtensor
+        from shardlab.tensor.dtensors import from_dtensor
 
         if not isinstance(dtensor, DTensor):
             raise TypeError(
@@ -459,40 +452,26 @@ class ShardTensor(DTensor):
             # scalars; nothing to lift, nothing of ours above aten
             mesh = _one_mesh(args)
             if mesh is not None and mesh is not _MIXED:
-                if not compiling and func not in _NOT_LEARNT:  # nothing for autograd to
+                if not compiling and func not in NEVER_REPLAYED:  # nothing for autograd to
                     # record: on the blocks (views, Python functions: never, asked first)
-                    out = nograd.call(func, types, args, kwargs or _NO_KWARGS)
+                    out = _REPLAY[0](func, types, args, kwargs or _NO_KWARGS)
                     if out is not NotImplemented:
                         return out
                 return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
         traced.check(func, args, kwargs)  # dynamo's stand-ins: a graph break
         kwargs = kwargs or {}
-        if func in _BACKWARDS:  # with __torch_function__ on (recomputation), nothing lifted
-            return _BACKWARDS[func](*args, **kwargs)
+        run_backward = _BACKWARDS.get(func)  # with __torch_function__ on (recomputation),
+        if run_backward is not None:  # nothing lifted
+            return run_backward(*args, **kwargs)
         if not (compiling and traced.TRACEABLE):
-            args, kwargs = _lift_trainable(args, kwargs)
+            args, kwargs = _LIFT[0](args, kwargs)
         elif func in _OWN_CALLS and traced.cut_by_dynamo(args, kwargs):  # (they send)
             traced.graph_break(f"{func.__name__} on ShardTensors cut over several ranks")
         # (traced: parameters taken as they are; their gradients are summed after the
         # backward: shardlab.tensor.compiled_grads.route)
-        if func in LOSSES or func is torch.nn.functional.cross_entropy:  # exact means
-            from shardlab.ops.registry import device_type
-            from shardlab.tensor.autocast import autocast_call
-
-            def loss(*a, **k):
-                return reduce_loss(func, a, k)
-
-            out = autocast_call(func.__name__, func, loss, args, kwargs, device_type(args, kwargs))
-            if out is not NotImplemented:
-                return out
-        if func in QUANTILES:  # a sort of the whole tensor
-            out = quantile(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if func is torch.Tensor.unfold and isinstance(args[0], ShardTensor):  # halo windows
-            from shardlab.ops.unfold import tensor_unfold
-
-            out = tensor_unfold(*args, **kwargs)
+        own = _OWN_CALLS.get(func)  # losses (exact means), quantiles, Tensor.unfold (halos)
+        if own is not None:
+            out = own(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
@@ -506,10 +485,10 @@ class ShardTensor(DTensor):
         elif traced.COMPILED and torch.compiler.is_compiling():  # dynamo's fake blocks
             if traced.check_ranks(func, args, kwargs):  # cut over ranks: traced where
                 with traced.sends_break():  # nothing is sent
-                    return (_DISPATCH or _dispatch())[0](func, args, kwargs or _NO_KWARGS)
+                    return _DISPATCH[0](func, args, kwargs or _NO_KWARGS)
         if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
             return _normal_view(func, args, kwargs or _NO_KWARGS)
-        return (_DISPATCH or _dispatch())[0](func, args, kwargs or _NO_KWARGS)  # checks stand-ins
+        return _DISPATCH[0](func, args, kwargs or _NO_KWARGS)  # checks stand-ins
 
 
 _DATA = torch._C.TensorBase.__dict__["data"]
@@ -548,7 +527,6 @@ def _set_data(func, types, args):
 _INFERENCE_MODE = torch.is_inference_mode_enabled
 _CURRENT_NODE = torch._C._current_autograd_node
 _GETTER = type(torch.Tensor.grad.__get__)  # a property of torch's tensors, read
-_NOT_LEARNT = nograd._NEVER
 _TOLIST = torch.Tensor.tolist
 _TRACKED: dict = {}  # aten view op -> does autograd's view bookkeeping see its result?
 
@@ -569,7 +547,7 @@ def _normal_view(func, args, kwargs):
     gives a normal tensor there (a view sharing its base's version counter); made in the
     mode, the result would be an inference tensor, which autograd's view bookkeeping
     refuses ("Cannot set version_counter for inference tensor": DTensor's case)."""
-    dispatch = (_DISPATCH or _dispatch())[0]
+    dispatch = _DISPATCH[0]
     with torch._C.DisableTorchFunctionSubclass():
         inference = args[0].is_inference()
     if inference:
@@ -593,13 +571,22 @@ def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> 
     if layout.mesh_shape in _ONE_RANK:  # the block is the tensor; nothing to fence
         if tuple(local.shape) == layout.global_shape:
             return _FromLocalAlone.apply(local, mesh, layout, stride)
-    want = layout.local_shape(comm.my_coord(mesh))
+    want = layout.local_shape(p2p.my_coord(mesh))
     if tuple(local.shape) != want:
         raise RuntimeError(
             f"shardlab internal error: a local block of shape {tuple(local.shape)} does not fit "
             f"{layout} (this rank needs {want}); please report it"
         )
     return _FromLocal.apply(local, mesh, layout, stride)
+
+
+def replicate_layout(shape, mesh) -> ShardLayout:
+    return ShardLayout.build(tuple(shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
+
+
+def as_shard(t: torch.Tensor, mesh):
+    """A plain tensor next to ShardTensors: the same on every rank (Replicate)."""
+    return ShardTensor._wrap(t, mesh, replicate_layout(t.shape, mesh))
 
 
 _NOTES = {"_decided", "_writeback"}  # per-process notes a ShardTensor may carry
@@ -610,18 +597,7 @@ def _dispatch_rule(cls, func, types, args=(), kwargs=None):
     """torch 2.11 routes ShardTensor ops here (see ``_compat.route_dispatch``)."""
     if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
         return _normal_view(func, args, kwargs or _NO_KWARGS)
-    return (_DISPATCH or _dispatch())[0](func, args, kwargs or {})
-
-
-_DISPATCH: list = []
-
-
-def _dispatch() -> list:
-    """``[shardlab.tensor.dispatch.dispatch]`` (imported on first use: it imports us)."""
-    from shardlab.tensor.dispatch import dispatch
-
-    _DISPATCH[:] = [dispatch]
-    return _DISPATCH
+    return _DISPATCH[0](func, args, kwargs or {})
 
 
 _compat.route_dispatch(ShardTensor, _dispatch_rule)
@@ -662,14 +638,32 @@ _MIXED = object()
 _disabled_torch_function = torch._C._disabled_torch_function_impl
 # what ShardTensor.__torch_function__ does itself rather than pass on to aten
 _BACKWARDS = {
-    torch.Tensor.backward: recompute.tensor_backward,
-    torch.autograd.backward: recompute.backward,
-    torch.autograd.grad: recompute.grad,
+    torch.Tensor.backward: backward.tensor_backward,
+    torch.autograd.backward: backward.backward,
+    torch.autograd.grad: backward.grad,
 }
-_OWN_CALLS = frozenset(
-    [*_BACKWARDS, torch.Tensor.unfold,
-     torch.nn.functional.cross_entropy, *LOSSES, *QUANTILES]
-)  # fmt: skip
+
+# -- tables the layers above fill (they import this module; it imports none of them) ------
+# shardlab.engine installs its dispatcher, replay and lifting when it is imported, as
+# DTensor installs its op dispatcher on its class; shardlab.ops adds the calls it takes
+# over at the Python entry. shardlab/__init__.py imports both once the class is loaded.
+_DISPATCH: list = []  # [dispatch(func, args, kwargs)]: every aten op (shardlab.engine.dispatch)
+_REPLAY: list = []  # [call(func, types, args, kwargs)]: no autograd to record (engine.nograd)
+_LIFT: list = []  # [lift(args, kwargs)]: plain parameters and DTensors adopted (engine.lift)
+NEVER_REPLAYED: set = set()  # functions the replay never learns (engine.nograd adds them)
+# torch function -> handler(func, args, kwargs), run above aten (NotImplemented: go on);
+# the backwards are called as they are, before anything is lifted
+_OWN_CALLS: dict = dict.fromkeys(_BACKWARDS)
+
+
+def install(*, dispatch=None, replay=None, lift=None, calls=None) -> None:
+    """What a layer above gives the class: the aten ``dispatch``, the no-grad ``replay``,
+    the ``lift`` of plain arguments (shardlab.engine), ``calls`` taken over at
+    ``__torch_function__`` (shardlab.ops: ``{F.mse_loss: handler, ...}``)."""
+    for table, fn in ((_DISPATCH, dispatch), (_REPLAY, replay), (_LIFT, lift)):
+        if fn is not None:
+            table[:] = [fn]
+    _OWN_CALLS.update(calls or {})
 
 
 def _known_to_libraries() -> None:
@@ -697,4 +691,3 @@ from shardlab.tensor._autograd import (  # noqa: E402, F401
     _ToLocal,
 )
 from shardlab.tensor.create import distribute, scatter_tensor  # noqa: E402
-from shardlab.tensor.lift import _lift_trainable  # noqa: E402

@@ -154,13 +154,13 @@ def create_write_items(st, fqn: str) -> list:
     )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from shardlab.tensor import comm
+    from shardlab.comm import p2p
 
     check_checkpointable(st._layout, f"key {fqn!r}")
     props = TensorProperties.create_from_tensor(st._local_tensor)
     size = torch.Size(st._layout.global_shape)
     items = []
-    for box in written_boxes(st._layout, comm.my_coord(st.device_mesh), fqn_salt(fqn)):
+    for box in written_boxes(st._layout, p2p.my_coord(st.device_mesh), fqn_salt(fqn)):
         offsets = torch.Size(box.offsets)
         chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(box.sizes))
         items.append(
@@ -177,19 +177,19 @@ def create_chunk_list(st) -> list:
     """``__create_chunk_list__``: the boxes this rank holds (what it loads)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from shardlab.tensor import comm
+    from shardlab.comm import p2p
 
     check_checkpointable(st._layout, _name(st))
     return [
         ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
-        for b in held_boxes(st._layout, comm.my_coord(st.device_mesh))
+        for b in held_boxes(st._layout, p2p.my_coord(st.device_mesh))
     ]
 
 
 def get_tensor_shard(st, index) -> torch.Tensor:
     """``__get_tensor_shard__``: the box at ``index.offset`` as a view of the local block
     (DCP writes it when saving and copies into it when loading)."""
-    from shardlab.tensor import comm
+    from shardlab.comm import p2p
 
     layout = st._layout
     check_checkpointable(layout, _name(st))
@@ -197,10 +197,10 @@ def get_tensor_shard(st, index) -> torch.Tensor:
     want = tuple(index.offset) if index.offset is not None else None
     if 0 in layout.global_shape and want == (0,) * len(layout.global_shape):
         return local.new_empty(layout.global_shape)
-    for box in held_boxes(layout, comm.my_coord(st.device_mesh)):
+    for box in held_boxes(layout, p2p.my_coord(st.device_mesh)):
         if box.offsets == want:
             return local[tuple(slice(a, b) for a, b in box.local)]
     raise RuntimeError(
         f"{_name(st)} ({layout}) holds no box at offsets {want} on mesh coordinate "
-        f"{comm.my_coord(st.device_mesh)} (key {index.fqn!r})"
+        f"{p2p.my_coord(st.device_mesh)} (key {index.fqn!r})"
     )

@@ -1,6 +1,6 @@
 """Gradients around compiled code, fixed where AOTAutograd's guesses differ from eager.
 
-A backward started from a ShardTensor (``loss.backward()``, :mod:`shardlab.tensor.recompute`)
+A backward started from a ShardTensor (``loss.backward()``, :mod:`shardlab.comm.recompute`)
 passes here when something was compiled in this process (``traced.COMPILED``):
 
 1. before it, :func:`zero_gradients`: a compiled function's ShardTensor output that gets no
@@ -22,7 +22,8 @@ import functools
 
 import torch
 
-from shardlab.tensor import traced
+from shardlab.comm import traced
+from shardlab.tensor import api
 
 __all__ = ["plain_gradients", "route", "zero_gradients"]
 
@@ -86,9 +87,7 @@ def _sharded_outputs(node, meta):
 
 
 def _zeros(shape, dtype, device, mesh):
-    from shardlab.tensor.aten._common import as_shard
-
-    return as_shard(torch.zeros(shape, dtype=dtype, device=device), mesh)  # Replicate
+    return api.as_shard(torch.zeros(shape, dtype=dtype, device=device), mesh)  # Replicate
 
 
 def plain_gradients(leaves) -> None:

@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from shardlab.comm import p2p, traced
+from shardlab.comm._once import first_order, passes_no_gradient
+from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
-from shardlab.tensor import comm, traced
 from shardlab.tensor._autograd import local_of
 from shardlab.tensor._checks import _check_device, _mesh, _placements
-from shardlab.tensor._once import first_order, passes_no_gradient
 from shardlab.tensor.api import ShardTensor, _grad_layout
-from shardlab.tensor.recompute import fenced
 
 __all__ = ["distribute", "scatter_tensor"]
 
@@ -68,11 +68,11 @@ def _broadcast_in_mesh(objects: list, src: int, mesh) -> None:
     if src not in grid.flatten().tolist():
         raise ValueError(f"src={src} is not a rank of the mesh {grid.tolist()}")
     at = tuple(int(i) for i in (grid == src).nonzero()[0])  # src's coordinate
-    me = comm.my_coord(mesh)
+    me = p2p.my_coord(mesh)
     for m in reversed(range(mesh.ndim)):
         if me[:m] != at[:m]:
             continue  # not on this step's lines through src: gets it at an earlier dim
-        root = comm.rank_at(mesh, at[: m + 1] + tuple(me[m + 1 :]))
+        root = p2p.rank_at(mesh, at[: m + 1] + tuple(me[m + 1 :]))
         dist.broadcast_object_list(objects, src=root, group=mesh.get_group(m))
 
 
@@ -113,7 +113,7 @@ def _scatter_blocks(tensor, src, mesh, layout):
     me = dist.get_rank()
     ops, mine = [], None
     for coord in layout.coords():
-        r = comm.rank_at(mesh, coord)
+        r = p2p.rank_at(mesh, coord)
         box = tuple(slice(a, b) for a, b in layout.local_box(coord))
         if me == src and r == me:
             mine = tensor.detach()[box].clone()
@@ -123,7 +123,7 @@ def _scatter_blocks(tensor, src, mesh, layout):
             mine = torch.empty(layout.local_shape(coord), dtype=tensor.dtype, device=tensor.device)
             if layout.numel(coord):
                 ops.append(dist.P2POp(dist.irecv, mine, src))
-    comm.run_p2p(ops)
+    p2p.run_p2p(ops)
     return mine
 
 
@@ -139,7 +139,7 @@ def _gather_blocks(local, src, mesh, layout):
     for coord in layout.coords():
         if any(c and not isinstance(p, Shard) for c, p in zip(coord, layout.placements)):
             continue  # one copy of each block is enough
-        r = comm.rank_at(mesh, coord)
+        r = p2p.rank_at(mesh, coord)
         box = tuple(slice(a, b) for a, b in layout.local_box(coord))
         if r == src and me == src:
             full[box] = local
@@ -149,7 +149,7 @@ def _gather_blocks(local, src, mesh, layout):
             bufs.append((box, buf))
         elif r == me and layout.numel(coord):
             ops.append(dist.P2POp(dist.isend, local.contiguous(), src))
-    comm.run_p2p(ops)
+    p2p.run_p2p(ops)
     for box, buf in bufs:
         full[box] = buf
     return full
@@ -186,7 +186,7 @@ class _Distribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, mesh, layout):
         ctx.mesh, ctx.sharding = mesh, layout
-        coord = comm.my_coord(mesh)
+        coord = p2p.my_coord(mesh)
         box = tuple(slice(a, b) for a, b in layout.local_box(coord))
         local = tensor[box].clone()
         for m, p in enumerate(layout.placements):

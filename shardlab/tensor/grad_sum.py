@@ -34,7 +34,7 @@ from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.tensor import Partial, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from shardlab.tensor import collectives
+from shardlab.comm import collectives
 from shardlab.tensor.api import ShardTensor
 from shardlab.trace import label
 

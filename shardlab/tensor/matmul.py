@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from shardlab.comm._once import first_order
+from shardlab.comm.recompute import fenced, kept
 from shardlab.layout import ShardLayout
-from shardlab.tensor._once import first_order
-from shardlab.tensor.recompute import fenced, kept
 
 
 def wants_local_matmul(x, w) -> bool:

@@ -27,9 +27,10 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from shardlab.comm._once import first_order, passes_no_gradient
+from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
-from shardlab.tensor._once import first_order, passes_no_gradient
-from shardlab.tensor.recompute import fenced
+from shardlab.layout.dtensor import layout_of_dtensor
 
 __all__ = ["embed", "embed_layout", "hook_sub_mesh", "sub_mesh_dims"]
 
@@ -77,7 +78,6 @@ def embed_layout(layout: ShardLayout, dims: tuple[int, ...], mesh) -> ShardLayou
 
 def _sub_layout(a) -> ShardLayout:
     from shardlab.tensor.api import ShardTensor
-    from shardlab.tensor.aten._common import layout_of_dtensor
 
     return a._layout if isinstance(a, ShardTensor) else layout_of_dtensor(a)
 

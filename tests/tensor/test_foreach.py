@@ -1,5 +1,5 @@
 """``torch._foreach_*`` ops and the fused optimizer steps on ShardTensors
-(``shardlab/tensor/aten/foreach.py``), against torch on one device: torch's own foreach
+(``shardlab/engine/aten/foreach.py``), against torch on one device: torch's own foreach
 OpInfo database (out-of-place, in place, backward), every ``torch.optim`` optimizer with
 ``foreach=True`` and ``fused=True`` on a model with cut parameters, ``clip_grad_norm_``;
 worlds 1-4, 1-D and 2-D meshes, uneven and empty shards. Before the rule, every in-place
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from shardlab.engine.aten.foreach import PLAIN, element_layouts
 from shardlab.layout import ShardLayout
-from shardlab.tensor.aten.foreach import PLAIN, element_layouts
 from tests.tensor._cases import random_sizes
 
 
@@ -302,7 +302,7 @@ def test_aligned_calls_take_no_meta_run_and_equal_torch(ranks_for):
         from torch.distributed.tensor import distribute_tensor
 
         import shardlab
-        import shardlab.tensor.aten._common as c
+        import shardlab.engine.aten._common as c
         from shardlab import distribute, this_rank
 
         mesh = this_rank().mesh

@@ -1,4 +1,4 @@
-"""``shardlab.messages_in_graphs()`` (``shardlab/tensor/traced.py``): compiled with it, the
+"""``shardlab.messages_in_graphs()`` (``shardlab/comm/traced.py``): compiled with it, the
 collectives and halos of sharded code are ops of the compiled graphs (no graph break at
 them), chained in one order on every rank; the results equal the uncompiled sharded call
 and one device, forward and backward, with ``aot_eager`` and inductor."""
@@ -410,7 +410,7 @@ def test_the_scope_is_left_as_it_was():
     from torch._functorch import partitioners
 
     import shardlab
-    from shardlab.tensor import traced
+    from shardlab.comm import traced
 
     torch_pass = partitioners.force_save_effectful_ops
     assert not traced._IN_GRAPHS

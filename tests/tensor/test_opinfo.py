@@ -329,7 +329,7 @@ def test_op_db_compiled_as_eager(ranks_for, dim, backend, ops, in_graphs):
     of both dims, with each backend, gave its eager verdict at stop 55. ``in_graphs``:
     compiled inside ``shardlab.messages_in_graphs()`` (an eighth of the ops each; every op
     of both dims with ``aot_eager`` at stop 58), where the ops that send are traced too."""
-    from shardlab.tensor.traced import TRACEABLE
+    from shardlab.comm.traced import TRACEABLE
 
     cases = _cases(dim)[ops]
     pool = ranks_for(2)

@@ -1,4 +1,4 @@
-"""``torch.compile`` of code that touches ShardTensors (``shardlab/tensor/traced.py``):
+"""``torch.compile`` of code that touches ShardTensors (``shardlab/comm/traced.py``):
 never fails, equal to the uncompiled sharded call and to one device, forward and
 backward, with the backends ``eager``, ``aot_eager`` and ``inductor``; a graph is never
 reused for other shard sizes; plain models under ``shardlab.patched()`` still compile
@@ -618,7 +618,7 @@ def test_a_stand_in_asks_for_a_graph_break():
     dynamo rebuilds from torch's flatten format) makes dynamo's ``Unsupported``."""
     from torch._dynamo.exc import Unsupported
 
-    from shardlab.tensor import traced
+    from shardlab.comm import traced
 
     class StandIn:
         _layout = None
@@ -642,7 +642,7 @@ def test_a_traced_message_breaks_or_skips_the_frame():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-    from shardlab.tensor import traced
+    from shardlab.comm import traced
 
     mode = FakeTensorMode()
     fake = mode.from_tensor(torch.ones(2))
@@ -661,7 +661,7 @@ def test_a_traced_message_breaks_or_skips_the_frame():
 
 # -- a mesh of one rank: everything in the graph ------------------------------------
 def _traceable():
-    from shardlab.tensor import traced
+    from shardlab.comm import traced
 
     return traced.TRACEABLE
 
@@ -947,8 +947,8 @@ def test_placements_compare_layouts():
     process group): what dynamo's guard on the spec compares."""
     from torch.distributed.tensor import Shard
 
+    from shardlab.comm import traced
     from shardlab.layout import ShardLayout
-    from shardlab.tensor import traced
 
     a = ShardLayout.build((10, 6), (2,), [Shard(0)], [[7, 3]])
     b = ShardLayout.build((10, 6), (2,), [Shard(0)], [[5, 5]])
@@ -986,7 +986,7 @@ def test_two_outputs_and_a_backward_through_one(ranks_for):
 
 def _targets(gm) -> list[str]:
     """The ops a graph calls; a message is wrapped in torch's ``with_effects`` (its effect
-    token: ``shardlab/tensor/collectives.py``), named here by the op it wraps."""
+    token: ``shardlab/comm/collectives.py``), named here by the op it wraps."""
     effects = getattr(torch.ops.higher_order, "with_effects", None)
     return [
         str(n.args[1]) if n.target is effects else str(n.target)

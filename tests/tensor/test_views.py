@@ -1,4 +1,4 @@
-"""Views of ShardTensors (``shardlab/tensor/aten/views.py``): what moves, and aliasing.
+"""Views of ShardTensors (``shardlab/engine/aten/views.py``): what moves, and aliasing.
 
 * merges, splits on piece boundaries, permutes, squeezes, flatten/unflatten, slices:
   no message at all, whatever the sizes;

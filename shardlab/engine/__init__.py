@@ -1,0 +1,18 @@
+"""The dispatch engine: every aten op on a ShardTensor, decided and run.
+
+Layer 5 of 6 (``layout`` → ``comm`` → ``tensor`` → **engine** → ``ops`` → ``patch``).
+It may import :mod:`shardlab.tensor` and everything below it; nothing above it. It
+installs itself on the class when imported (:func:`shardlab.tensor.api.install`), as
+DTensor installs its dispatcher.
+
+- :mod:`.dispatch`: the one entry from ``__torch_dispatch__``;
+- :mod:`.decisions`: the decision cache (a signature -> what the op does);
+- :mod:`.nograd`: the replay at ``__torch_function__`` when nothing records autograd;
+- :mod:`.lift`: plain tensors and DTensors next to ShardTensors;
+- :mod:`.aten`: the rules, one family per file.
+"""
+
+from shardlab.engine import dispatch, lift, nograd
+from shardlab.tensor import api
+
+api.install(dispatch=dispatch.dispatch, replay=nograd.call, lift=lift._lift_trainable)

@@ -1,0 +1,490 @@
+"""Ops that build tensors from pieces: cat, constant padding, new tensors, the backward of
+slicing, embedding, indexing, tril/triu.
+
+``cat`` along a cut dim (uneven sizes too)::
+
+    a sizes [3, 1], b sizes [2, 2]   ->  out sizes [5, 3]  (rank k: a's part + b's part)
+    out rows 0-4 on rank 0 = a[0:3] + a[3:4] + b[0:1]: each input first moves to the
+    sizes that tile its stretch of the output (point to point, only what changes owner)
+
+``constant_pad_nd`` along a cut dim grows the first and the last rank only (no message).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardlab.engine import decisions
+from shardlab.engine.decisions import BLOCKS
+from shardlab.layout import ShardLayout, chunk_sizes, moves
+from shardlab.layout.elementwise import restrict
+from shardlab.layout.views import clamp_index, select_dims_layout
+
+from . import _common as c
+from .registry import register
+from .views import slice_of
+
+aten = torch.ops.aten
+
+
+def _cutters(layout, dim):
+    return [m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim == dim]
+
+
+@register(aten.cat.default)
+def _cat(func, args, kwargs):
+    tensors = list(args[0])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    shards = c.shards_in(tensors)
+    mesh = c.the_mesh(shards)
+    ref = max(shards, key=lambda s: s.numel())
+    dim %= ref.ndim
+    cause = "cat.align"
+    given = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0 and ref.ndim > 1)]
+    tensors = given  # torch.cat skips 1-D empty tensors (a cache's first step), so do we
+    tensors = [
+        c.reduced(t if isinstance(t, c.ShardTensor) else c.as_shard(t, mesh), "cat.partial")
+        for t in tensors
+    ]
+    lay = c.reduced(ref, "cat.partial")._layout
+    cut = _cutters(lay, dim)
+    if cut and (len(cut) > 1 or not lay.is_block(dim)):
+        lay = moves.replicated(lay, cut)
+        cut = []
+    if not cut:
+        out_layout = lay.replace(global_shape=_cat_shape(tensors, dim))
+        moved = [c.move(t, restrict(lay, t.shape, [False] * mesh.ndim), cause) for t in tensors]
+        out = c.wrap(torch.cat([t._local_tensor for t in moved], dim), mesh, out_layout)
+        if all(m is t for m, t in zip(moved, given)):
+            # every block as it is (nothing reduced or moved; a skipped empty tensor is
+            # skipped by torch.cat on the blocks too): kept per signature
+            keep = [BLOCKS] + [None] * (len(args) - 1 + len(kwargs))
+            decisions.decided(out, func, keep, mesh, out_layout)
+        return out
+    (m,) = cut
+    # 1. output sizes: rank k keeps as many rows as it holds of the inputs cut like ref
+    parts = []
+    for t in tensors:
+        tc = _cutters(t._layout, dim)
+        if tc == [m] and t._layout.is_block(dim) and len(t._layout.sizes[m]) == 1:
+            parts.append(t._layout.sizes[m][0])
+        else:
+            parts.append(chunk_sizes(t.shape[dim], mesh.shape[m]))
+    out_sizes = tuple(map(sum, zip(*parts)))
+    bounds = [0]
+    for n in out_sizes:
+        bounds.append(bounds[-1] + n)
+    # 2. each input moves to the sizes that tile its stretch [base, base + n) of the output
+    locs, base = [], 0
+    for t in tensors:
+        n = t.shape[dim]
+        sizes = tuple(
+            max(0, min(b1, base + n) - max(b0, base)) for b0, b1 in zip(bounds, bounds[1:])
+        )
+        shape = list(lay.global_shape)
+        shape[dim] = n
+        entry = list(lay.sizes)
+        entry[m] = (sizes,)
+        template = lay.replace(global_shape=tuple(shape), sizes=tuple(entry))
+        want = restrict(template, t.shape, [False] * mesh.ndim)
+        locs.append(c.move(t, want, cause)._local_tensor)
+        base += n
+    out_entry = list(lay.sizes)
+    out_entry[m] = (out_sizes,)
+    out = lay.replace(global_shape=_cat_shape(tensors, dim), sizes=tuple(out_entry))
+    return c.wrap(torch.cat(locs, dim), mesh, out)
+
+
+def _cat_shape(tensors, dim):
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return tuple(shape)
+
+
+@register(aten.constant_pad_nd.default)
+def _pad(func, args, kwargs):
+    x, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    local_pad = [0] * len(pad)
+    for j in range(len(pad) // 2):
+        dim = x.ndim - 1 - j
+        left, right = pad[2 * j], pad[2 * j + 1]
+        if left < 0 or right < 0:  # cropping is slicing
+            x = slice_of(x, dim, max(0, -left), x.shape[dim] - max(0, -right))
+            left, right = max(left, 0), max(right, 0)
+        cut = _cutters(x._layout, dim)
+        if cut and (len(cut) > 1 or not x._layout.is_block(dim)):
+            x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for pad")
+            cut = []
+        if not cut:
+            local_pad[2 * j], local_pad[2 * j + 1] = left, right
+            continue
+        (m,) = cut
+        coord = c.me(x.device_mesh)[m]
+        last = x.device_mesh.shape[m] - 1
+        local_pad[2 * j] = left if coord == 0 else 0
+        local_pad[2 * j + 1] = right if coord == last else 0
+        sizes = list(x._layout.sizes[m][0])
+        sizes[0] += left
+        sizes[-1] += right
+        shape = list(x.shape)
+        shape[dim] += left + right
+        entry = list(x._layout.sizes)
+        entry[m] = (tuple(sizes),)
+        new = x._layout.replace(global_shape=tuple(shape), sizes=tuple(entry))
+        x = c.ShardTensor._wrap(
+            torch.constant_pad_nd(
+                x._local_tensor, [0] * (2 * j) + local_pad[2 * j : 2 * j + 2], value
+            ),
+            x.device_mesh,
+            new,
+        )
+        local_pad[2 * j] = local_pad[2 * j + 1] = 0
+    shape = list(x.shape)
+    for j in range(len(local_pad) // 2):
+        shape[x.ndim - 1 - j] += local_pad[2 * j] + local_pad[2 * j + 1]
+    y = (
+        torch.constant_pad_nd(x._local_tensor, local_pad, value)
+        if any(local_pad)
+        else (x._local_tensor.clone())
+    )
+    return c.wrap(y, x.device_mesh, x._layout.replace(global_shape=tuple(shape)))
+
+
+@register(
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+)
+def _new(func, args, kwargs):
+    """A new tensor of a given (global) shape: whole on every rank. ``new_empty_strided``
+    of ``x``'s own shape (autograd's copy of a gradient into its parameter's strides) is
+    laid out like ``x`` instead: the gradient stays on its blocks, not gathered."""
+    x = args[0]
+    lay = x._layout
+    if (
+        func is aten.new_empty_strided.default
+        and tuple(args[1]) == tuple(x.shape)
+        and not any(isinstance(p, Partial) for p in lay.placements)
+    ):
+        from shardlab.tensor.api import stride_like
+
+        mesh = x.device_mesh
+        local = lay.local_shape(c.me(mesh))
+        stride = tuple(args[2])  # the global stride asked for; the block's in its order
+        y = func(x._local_tensor, local, stride_like(stride, local), *args[3:], **kwargs)
+        y.zero_()  # every rank the same values
+        return c.ShardTensor._wrap(y, mesh, lay, stride=stride)
+    y = func(x._local_tensor, *args[1:], **kwargs)
+    if func is aten.new_empty.default or func is aten.new_empty_strided.default:
+        y.zero_()  # every rank must hold the same values of a Replicate tensor
+    return c.wrap(y, x.device_mesh, c.replicate_layout(y.shape, x.device_mesh))
+
+
+@register(aten._local_scalar_dense.default, aten.is_nonzero.default)
+def _scalar(func, args, kwargs):
+    return func(c.replicated(args[0], "item")._local_tensor)
+
+
+@register(aten.slice_backward.default)
+def _slice_backward(func, args, kwargs):
+    """Gradient of a slice: zeros around each rank's block of the gradient, no message.
+    Along a cut dim, rank k's piece runs from its first sliced row to the next rank's."""
+    grad, sizes, dim, start, end, step = args[:6]
+    given = grad
+    dim %= grad.ndim
+    n = sizes[dim]
+    start, end = clamp_index(start, n), clamp_index(end, n)
+    grad = c.reduced(grad, "slice_backward.partial")
+    lay = grad._layout
+    cut = _cutters(lay, dim)
+    if cut and (len(cut) > 1 or not lay.is_block(dim)):
+        grad = c.move(grad, moves.replicated(lay, cut), "auto-redistribute for slice_backward")
+        lay, cut = grad._layout, []
+    mesh = grad.device_mesh
+    coord = c.me(mesh)
+    entry = list(lay.sizes)
+    if cut:
+        (m,) = cut
+        counts = lay.sizes[m][0]
+        bounds = [0]
+        acc = 0
+        for k in range(1, len(counts)):
+            acc += counts[k - 1]
+            bounds.append(min(n, start + acc * step))
+        bounds.append(n)
+        bounds = [max(bounds[: i + 1]) for i in range(len(bounds))]
+        entry[m] = (tuple(b - a for a, b in zip(bounds, bounds[1:])),)
+        lo = bounds[coord[m]]
+    else:
+        lo = 0
+    out = lay.replace(global_shape=tuple(sizes), sizes=tuple(entry))
+    got, idx = grad._local_tensor.shape[dim], None
+    if got:
+        first = (start - lo) if not cut else (start + _first_index(lay, dim, coord) * step - lo)
+        idx = (slice(None),) * dim + (slice(first, first + (got - 1) * step + 1, step),)
+    local = decisions.LocalSliceBackward(out.local_shape(coord), idx)
+    y = c.wrap(local([grad._local_tensor], {}), mesh, out)
+    if grad is given:  # the gradient's block as it is: kept per signature
+        decisions.decided(y, func, [None] * (len(args) + len(kwargs)), mesh, out, local=local)
+    return y
+
+
+def _first_index(lay, dim, coord) -> int:
+    return lay._piece(dim, tuple(coord))[0]
+
+
+@register(aten.select_backward.default)
+def _select_backward(func, args, kwargs):
+    """Gradient of a select: zeros with the row put back, no message. The new dim is
+    whole on every rank, as the input's was where its select sent nothing (``x[:, 0]``
+    of a whole dim): the gradient comes back in the input's layout, and one that is cut
+    there takes its rows locally (Replicate -> Shard sends nothing). Cut into chunks,
+    it would have to be gathered again (a view of ``(B, 1, D)`` as ``(B, D)``)."""
+    grad, sizes, dim, index = args[:4]
+    grad = c.reduced(grad, "select_backward.partial")
+    dim %= len(sizes)
+    n = sizes[dim]
+    index = index + n if index < 0 else index
+    lay, mesh = grad._layout, grad.device_mesh
+    places = [Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in lay.placements]
+    atoms = None if lay.atoms is None else lay.atoms[:dim] + (None,) + lay.atoms[dim:]
+    out = ShardLayout(
+        tuple(sizes),
+        lay.mesh_shape,
+        tuple(places),
+        lay.sizes,
+        atoms,
+        None if atoms is None else tuple(lay.cut_of(m) for m in range(mesh.ndim)),
+    )
+    y = grad._local_tensor.new_zeros(out.local_shape(c.me(mesh)))  # (..., n, ...)
+    y.select(dim, index).copy_(grad._local_tensor)
+    return c.wrap(y, mesh, out)
+
+
+@register(aten.embedding.default)
+def _embedding(func, args, kwargs):
+    weight, indices = given = args[0], args[1]
+    st = c.ShardTensor
+    mesh = c.the_mesh(c.shards_in((weight, indices)))
+    weight = weight if isinstance(weight, st) else c.as_shard(weight, mesh)
+    indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
+    weight = c.reduced(weight, "embedding.partial")
+    wl = weight._layout
+    if any(isinstance(p, Shard) and p.dim == 0 for p in wl.placements):
+        return NotImplemented  # vocab-parallel rows: decomposition / fallback
+    il = indices._layout
+    places, entry = [], []
+    for m, (p, q) in enumerate(zip(il.placements, wl.placements)):
+        if isinstance(q, Shard):  # embedding dim cut (tensor parallel): indices whole
+            places.append(Shard(indices.ndim))
+            entry.append(wl.sizes[m])
+        else:
+            places.append(p)
+            entry.append(il.sizes[m])
+    if any(isinstance(q, Shard) for q in wl.placements) and any(
+        isinstance(p, Shard) for p in il.placements
+    ):
+        indices = c.move(indices, c.replicate_layout(indices.shape, mesh), "embedding.align")
+        il = indices._layout
+        places = [
+            Shard(indices.ndim) if isinstance(q, Shard) else Replicate() for q in wl.placements
+        ]
+        entry = [wl.sizes[m] if isinstance(q, Shard) else None for m, q in enumerate(wl.placements)]
+    atoms = None if il.atoms is None else il.atoms + (None,)
+    out = ShardLayout(
+        tuple(indices.shape) + (weight.shape[1],),
+        il.mesh_shape,
+        tuple(places),
+        tuple(entry),
+        atoms,
+        il.cuts,
+    )
+    y = c.wrap(func(weight._local_tensor, indices._local_tensor, *args[2:], **kwargs), mesh, out)
+    _keep(y, func, given, (weight, indices), args, kwargs, mesh, out, "embedding.align")
+    return y
+
+
+def _keep(y, func, given, used, args, kwargs, mesh, layout, cause) -> None:
+    """Keep the decision for the signature: the first two arguments were ``given``, the
+    op ran on ``used``; the second may have moved (with the label ``cause``), the first
+    not (its moves have another label)."""
+    if used[0] is given[0] or used[0]._local_tensor is given[0]:
+        c.keep_moves(func, args, kwargs, {1: used[1]}, y, mesh, layout, cause)
+
+
+@register(aten.embedding_dense_backward.default)
+def _embedding_backward(func, args, kwargs):
+    """Rows of the weight gradient summed over this rank's tokens: Partial(sum) over the
+    mesh dims that cut the tokens (one all-reduce when read)."""
+    grad, indices, num_weights, padding_idx, scale_by_freq = args[:5]
+    if scale_by_freq:
+        return NotImplemented
+    given = (grad, indices)
+    mesh = c.the_mesh(c.shards_in((grad, indices)))
+    st = c.ShardTensor
+    indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
+    grad = c.reduced(grad, "embedding_backward.partial")
+    lead = list(range(indices.ndim))
+    if any(isinstance(p, Shard) and p.dim == indices.ndim for p in grad._layout.placements):
+        return NotImplemented
+    tokens = select_dims_layout(grad._layout, lead)  # the (B, S) of grad's (B, S, D)
+    indices = c.move(indices, tokens, "embedding_backward.align")
+    y = func(grad._local_tensor, indices._local_tensor, *args[2:], **kwargs)
+    places = [
+        Partial() if isinstance(p, Shard) and p.dim in lead else Replicate()
+        for p in grad._layout.placements
+    ]
+    out = ShardLayout(tuple(y.shape), grad._layout.mesh_shape, tuple(places), (None,) * mesh.ndim)
+    y = c.wrap(y, mesh, out)
+    _keep(y, func, given, (grad, indices), args, kwargs, mesh, out, "embedding_backward.align")
+    return y
+
+
+@register(aten.tril.default, aten.triu.default)
+def _tril(func, args, kwargs):
+    """tril / triu keep (row, col) pairs by their *global* positions."""
+    x = c.reduced(args[0], "tril.partial")
+    diagonal = args[1] if len(args) > 1 else kwargs.get("diagonal", 0)
+    lay, mesh = x._layout, x.device_mesh
+    r, k = x.ndim - 2, x.ndim - 1
+    if not _cutters(lay, r) and not _cutters(lay, k):
+        return c.wrap(func(x._local_tensor, diagonal), mesh, lay)
+    coord = c.me(mesh)
+    rows = torch.as_tensor(lay.dim_indices(r, coord), device=x._local_tensor.device)
+    cols = torch.as_tensor(lay.dim_indices(k, coord), device=x._local_tensor.device)
+    keep = (cols[None, :] - rows[:, None]) <= diagonal
+    if func is aten.triu.default:
+        keep = (cols[None, :] - rows[:, None]) >= diagonal
+    local = x._local_tensor
+    return c.wrap(torch.where(keep, local, local.new_zeros(())), mesh, lay)
+
+
+@register(aten.index.Tensor)
+def _index(func, args, kwargs):
+    """``x[idx]`` with whole (replicated) integer index tensors on dims no mesh dim cuts:
+    every rank indexes its block; other cases go to the fallback."""
+    x, indices = args[0], list(args[1])
+    st = c.ShardTensor
+    if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return NotImplemented
+    if any(
+        isinstance(i, st) and any(not isinstance(p, Replicate) for p in i._layout.placements)
+        for i in indices
+    ):
+        return NotImplemented
+    x = c.reduced(x, "index.partial")
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    cut = [m for m, p in enumerate(x._layout.placements) if isinstance(p, Shard) and p.dim in dims]
+    if cut:
+        x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for index")
+    loc = [None if i is None else c.local(i) for i in indices]
+    y = func(x._local_tensor, loc)
+    _, where, _ = _index_dims(x, indices)  # result dims of x's other dims
+    gshape = list(y.shape)
+    for d, e in where.items():
+        gshape[e] = x.shape[d]
+    return c.wrap(y, x.device_mesh, _relabel(x._layout, where, gshape))
+
+
+def _index_dims(x, indices):
+    """(indexed dims, the dims of ``x[indices]`` that the other dims of x land on), as
+    torch places them: the index shape replaces the indexed dims, in place when adjacent,
+    else in front."""
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    ishape = torch.broadcast_shapes(*[tuple(i.shape) for i in indices if i is not None])
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    front = dims[0] if adjacent else 0
+    rest = [d for d in range(x.ndim) if d not in dims]
+    where = {
+        d: ((d if d < front else d - len(dims) + len(ishape)) if adjacent
+            else len(ishape) + rest.index(d))
+        for d in rest
+    }  # fmt: skip
+    return dims, where, len(ishape)
+
+
+def _relabel(lay: ShardLayout, where: dict, shape) -> ShardLayout | None:
+    """``lay`` with each sharded dim d moved to dim ``where[d]`` of a tensor of global
+    ``shape`` (the same pieces: no data moves); None if a sharded dim has no place."""
+    places, atoms = [], [None] * len(shape)
+    for p in lay.placements:
+        if isinstance(p, Shard):
+            if p.dim not in where:
+                return None
+            places.append(Shard(where[p.dim]))
+            atoms[where[p.dim]] = lay.dim_atoms(p.dim)
+        else:
+            places.append(p)
+    if all(a is None or len(a) == 1 for a in atoms):
+        return ShardLayout(tuple(shape), lay.mesh_shape, tuple(places), lay.sizes)
+    cuts = tuple(lay.cut_of(m) for m in range(len(places)))
+    atoms = tuple(None if a is None or len(a) == 1 else a for a in atoms)
+    return ShardLayout(tuple(shape), lay.mesh_shape, tuple(places), lay.sizes, atoms, cuts)
+
+
+@register(aten.index_put.default)
+def _index_put(func, args, kwargs):
+    """``x.index_put(indices, values, accumulate)`` (``x[idx]``'s gradient is one) with
+    whole integer index tensors, values cut like ``x[indices]`` would be: x cut the same way,
+    or x replicated (then cut like them, no message); every rank writes its block. Other
+    cases go to the fallback."""
+    x, indices, values = args[0], list(args[1]), args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    st = c.ShardTensor
+    if (
+        not isinstance(x, st)
+        or not isinstance(values, st)
+        or not any(i is not None for i in indices)
+    ):
+        return NotImplemented
+    for i in indices:
+        if i is None:
+            continue
+        if i.dtype in (torch.bool, torch.uint8) or (
+            isinstance(i, st) and any(not isinstance(p, Replicate) for p in i._layout.placements)
+        ):
+            return NotImplemented
+    if any(isinstance(p, Partial) for p in x._layout.placements + values._layout.placements):
+        return NotImplemented
+    dims, where, n_index = _index_dims(x, indices)
+    if values.ndim != x.ndim - len(dims) + n_index:
+        return NotImplemented  # values broadcast: the fallback
+    back = {e: d for d, e in where.items()}  # a dim of values -> the dim of x it fills
+    target = _relabel(values._layout, back, tuple(x.shape))
+    if target is None or any(values.shape[e] != x.shape[d] for e, d in back.items()):
+        return NotImplemented  # a cut dim of values torch broadcasts: the fallback
+    if x._layout != target:
+        if any(not isinstance(p, Replicate) for p in x._layout.placements):
+            return NotImplemented
+        x = c.move(x, target, "index_put.cut")  # whole -> pieces: local slicing
+    loc = [None if i is None else c.local(i) for i in indices]
+    y = func(x._local_tensor, loc, values._local_tensor, accumulate)
+    return c.wrap(y, x.device_mesh, target)
+
+
+@register(aten.gather.default)
+def _gather(func, args, kwargs):
+    """``gather(x, dim, index)``: dim whole in x, index cut like x elsewhere -> local."""
+    x, dim, index = args[0], args[1], args[2]
+    st = c.ShardTensor
+    mesh = c.the_mesh(c.shards_in((x, index)))
+    x = c.reduced(x if isinstance(x, st) else c.as_shard(x, mesh), "gather.partial")
+    index = index if isinstance(index, st) else c.as_shard(index, mesh)
+    dim %= x.ndim
+    lay = x._layout
+    bad = [
+        m
+        for m, p in enumerate(lay.placements)
+        if isinstance(p, Shard) and (p.dim == dim or index.shape[p.dim] != x.shape[p.dim])
+    ]
+    if bad:
+        x = c.move(x, moves.replicated(lay, bad), "auto-redistribute for gather")
+        lay = x._layout
+    target = restrict(lay, index.shape, [False] * mesh.ndim)
+    index = c.move(index, target, "gather.align")
+    y = func(x._local_tensor, dim, index._local_tensor, *args[3:], **kwargs)
+    return c.wrap(y, mesh, target)

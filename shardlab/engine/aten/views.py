@@ -1,0 +1,324 @@
+"""Views of ShardTensors: every rank views its own block; layouts from :mod:`shardlab.layout.views`.
+
+``view`` / ``reshape`` / ``flatten`` / ``unflatten`` / ``squeeze`` / ``unsqueeze`` /
+``expand`` / ``permute`` / ``transpose`` / ``slice`` / ``select`` / ``split`` / ``unbind``:
+no communication, whatever the sizes, as long as a block or strided layout describes
+the result. When none does (a split whose pieces are not multiples of the inner extent,
+a size-1 dim held by one rank that must grow or vanish), the tensor first moves to the
+cheapest layout that works, labelled ``auto-redistribute for <op>`` in the tracer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardlab.engine.decisions import (
+    LocalExpand,
+    LocalReshape,
+    LocalSlice,
+    LocalView,
+    decided,
+)
+from shardlab.layout import moves
+from shardlab.layout.views import (
+    Blocked,
+    expand_layout,
+    permute_layout,
+    select_dims_layout,
+    slice_layout,
+    view_layout,
+)
+
+from . import _common as c
+from .registry import register
+
+aten = torch.ops.aten
+
+
+def _resolve(shape, numel: int) -> list[int]:
+    shape = [int(n) for n in shape]
+    if -1 in shape:
+        known = 1
+        for n in shape:
+            if n != -1:
+                known *= n
+        shape[shape.index(-1)] = numel // known if known else 0
+    return shape
+
+
+def _unblocked(x, rule, what: str, tries: int = 4):
+    """``(x, rule(x.sharding))``, moving ``x`` to the cheapest layout that lifts a block."""
+    for _ in range(tries):
+        try:
+            return x, rule(x._layout)
+        except Blocked as b:
+            target = moves.cheapest(x._layout, moves.unblock(x._layout, b))
+            x = c.move(x, target, f"auto-redistribute for {what}")
+    return x, rule(x._layout)
+
+
+def view_to(x, shape, what: str = "view", copy: bool = False, op=None):
+    """``x`` viewed as ``shape`` (a ShardTensor), moving it first only if it must. If it
+    had to (or the block was not viewable), the result writes back into ``x``.
+    ``op``: ``(func, n_args)``, ``x`` being the first of the op's ``n_args`` arguments: a
+    view of the block as it is is kept for the op's signature (:mod:`.decisions`)."""
+    shape = _resolve(shape, x.numel())
+    base = x
+    if x._layout.is_whole():  # every rank holds all of it: any whole layout is its view
+        try:
+            out = view_layout(x._layout, shape)
+        except Blocked:  # a cut of one rank in the way: no move, Replicate says the same
+            out = c.replicate_layout(shape, x.device_mesh)
+    else:
+        x, out = _unblocked(x, lambda lay: view_layout(lay, shape), what)
+    local_shape = out.local_shape(c.me(x.device_mesh))
+    local = x._local_tensor
+    try:
+        y = c.wrap(
+            local.view(local_shape) if not copy else local.reshape(local_shape), x.device_mesh, out
+        )
+        viewed = not copy
+    except (RuntimeError, ValueError):  # a non-viewable block (strided): copy (a fake
+        # block under torch.compile says so with a ValueError)
+        y, viewed = c.wrap(local.reshape(local_shape), x.device_mesh, out), False
+        if x is base:
+            return c.copied_local(y, base)
+    if x is not base and not copy:
+        return c.moved_view(y, base, x) if viewed else y
+    if op is not None and x is base:  # each block viewed (reshaped) as it is: kept
+        local = LocalView(local_shape) if viewed else LocalReshape(local_shape)
+        decided(y, op[0], [None] * op[1], x.device_mesh, out, local=local)
+    return y
+
+
+@register(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten._reshape_alias.default,
+    aten.view_copy.default,
+)
+def _view(func, args, kwargs):
+    if func is aten.view_copy.default:  # a new tensor, never an alias of the input's block
+        y = view_to(args[0], args[1], c.op_name(func), copy=True)
+        return c.wrap(y._local_tensor.clone(), y.device_mesh, y._layout)
+    copy = func is aten.reshape.default
+    return view_to(args[0], args[1], c.op_name(func), copy, (func, len(args) + len(kwargs)))
+
+
+@register(aten.unsqueeze.default)
+def _unsqueeze(func, args, kwargs):
+    x, dim = args[0], args[1] % (args[0].ndim + 1)
+    shape = list(x.shape)
+    shape.insert(dim, 1)
+    return view_to(x, shape, "unsqueeze", op=(func, len(args) + len(kwargs)))
+
+
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(func, args, kwargs):
+    x = args[0]
+    if func is aten.squeeze.default:
+        dims = range(x.ndim)
+    else:
+        dims = args[1] if len(args) > 1 else kwargs["dim"]
+        dims = [dims] if isinstance(dims, int) else dims
+    drop = {d % max(x.ndim, 1) for d in dims if x.ndim and x.shape[d % x.ndim] == 1}
+    shape = [n for d, n in enumerate(x.shape) if d not in drop]
+    return view_to(x, shape, "squeeze", op=(func, len(args) + len(kwargs)))
+
+
+@register(aten.expand.default, aten.expand_copy.default)
+def _expand(func, args, kwargs):
+    x, shape = args[0], list(args[1])
+    base = x
+    x, out = _unblocked(x, lambda lay: expand_layout(lay, shape), "expand")
+    local = LocalExpand(out.local_shape(c.me(x.device_mesh)))
+    y = local((x._local_tensor,), {})
+    if func is aten.expand_copy.default:
+        return c.wrap(y.clone(), x.device_mesh, out)
+    y = c.wrap(y, x.device_mesh, out)
+    if x is base:  # each block expanded as it is: kept per signature
+        decided(y, func, [None] * (len(args) + len(kwargs)), x.device_mesh, out, local=local)
+    return y
+
+
+@register(aten.expand_as.default)
+def _expand_as(func, args, kwargs):
+    return aten.expand.default(args[0], list(args[1].shape))
+
+
+@register(
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.permute_copy.default,
+    aten.transpose_copy.int,
+)
+def _permute(func, args, kwargs):
+    x = args[0]
+    n = x.ndim
+    if func.overloadpacket in (aten.permute, aten.permute_copy):
+        perm = [d % n for d in args[1]]
+    else:
+        d0, d1 = (0, 1) if func is aten.t.default else (args[1], args[2])
+        perm = list(range(n))
+        if n >= 2 or func is not aten.t.default:
+            d0, d1 = d0 % max(n, 1), d1 % max(n, 1)
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+    # the local op with the same arguments permutes the block the same way
+    return c.local_call(func, args, kwargs, x.device_mesh, permute_layout(x._layout, perm))
+
+
+def _bounds(n: int, start, end, step) -> tuple[int, int, int]:
+    start = 0 if start is None else start
+    end = n if end is None else end
+    start = start + n if start < 0 else start
+    end = end + n if end < 0 else end
+    start, end = min(max(start, 0), n), min(max(end, 0), n)
+    return start, max(end, start), step
+
+
+def slice_of(x, dim: int, start, end, step: int = 1, op=None):
+    """``x[..., start:end:step, ...]`` along ``dim``: each rank slices its own block.
+    ``op``: as for :func:`view_to` (the slice of the block as it is is kept)."""
+    dim %= x.ndim
+    start, end, step = _bounds(x.shape[dim], start, end, step)
+
+    def rule(lay):
+        if not lay.is_block(dim):
+            cut = tuple(m for m, p in enumerate(lay.placements) if getattr(p, "dim", -1) == dim)
+            raise Blocked(cut, 0, f"slicing strided dim {dim}")
+        return slice_layout(lay, dim, start, end, step)
+
+    base = x
+    try:
+        out = rule(x._layout)
+    except Blocked:
+        x = c.move(x, moves.as_block(x._layout, dim), "auto-redistribute for slice")
+        out = rule(x._layout)
+    if x._layout.is_block(dim):
+        coord = c.me(x.device_mesh)
+        o, n = x._layout._piece(dim, coord)
+        lo = max(start, o)
+        first = start + -(-(lo - start) // step) * step
+        local = LocalSlice(dim, first - o, min(end, o + n) - o, step)
+    else:
+        local = LocalSlice(dim, start, end, step)
+    y = c.wrap(local((x._local_tensor,), {}), x.device_mesh, out)
+    if x is not base:
+        return c.moved_view(y, base, x)
+    if op is not None:  # this rank's slice of its block as it is: kept per signature
+        decided(y, op[0], [None] * op[1], x.device_mesh, out, local=local)
+    return y
+
+
+@register(aten.slice.Tensor, aten.slice_copy.Tensor)
+def _slice(func, args, kwargs):
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    if func is aten.slice.Tensor:
+        return slice_of(x, dim, start, end, step, (func, len(args) + len(kwargs)))
+    y = slice_of(x, dim, start, end, step)
+    return c.wrap(y._local_tensor.clone(), y.device_mesh, y._layout)
+
+
+def select_of(x, dim: int, index: int):
+    dim %= x.ndim
+    n = x.shape[dim]
+    index = index + n if index < 0 else index
+    if not any(getattr(p, "dim", None) == dim for p in x._layout.placements):
+        keep = [d for d in range(x.ndim) if d != dim]
+        return c.wrap(
+            x._local_tensor.select(dim, index), x.device_mesh, select_dims_layout(x._layout, keep)
+        )
+    row = slice_of(x, dim, index, index + 1)  # held by one rank
+    shape = [m for d, m in enumerate(x.shape) if d != dim]
+    return view_to(row, shape, "select")
+
+
+@register(aten.select.int, aten.select_copy.int)
+def _select(func, args, kwargs):
+    y = select_of(args[0], args[1], args[2])
+    return (
+        y if func is aten.select.int else c.wrap(y._local_tensor.clone(), y.device_mesh, y._layout)
+    )
+
+
+@register(
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.split_copy.Tensor,
+    aten.split_with_sizes_copy.default,
+)
+def _split(func, args, kwargs):
+    x, size = args[0], args[1]
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
+    n = x.shape[dim]
+    if isinstance(size, int):
+        sizes = [min(size, n - i) for i in range(0, n, size)] if size else [n]
+        sizes = sizes or [0]
+    else:
+        sizes = list(size)
+    out, at = [], 0
+    for s in sizes:
+        out.append(slice_of(x, dim, at, at + s))
+        at += s
+    return out
+
+
+@register(aten.unbind.int, aten.unbind_copy.int)
+def _unbind(func, args, kwargs):
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.ndim
+    cut = tuple(m for m, p in enumerate(x._layout.placements) if getattr(p, "dim", -1) == dim)
+    if cut:  # every slice is wanted: gather that dim once rather than one row at a time
+        x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for unbind")
+    return [select_of(x, dim, i) for i in range(x.shape[dim])]
+
+
+@register(aten.view_as_real.default, aten.view_as_complex.default)
+def _view_as(func, args, kwargs):
+    x = args[0]
+    if func is aten.view_as_complex.default and any(
+        getattr(p, "dim", None) == x.ndim - 1 for p in x._layout.placements
+    ):
+        x = c.move(
+            x,
+            moves.replicated(
+                x._layout,
+                [
+                    m
+                    for m, p in enumerate(x._layout.placements)
+                    if getattr(p, "dim", None) == x.ndim - 1
+                ],
+            ),
+            "auto-redistribute for view_as_complex",
+        )
+    y = func(x._local_tensor)
+    lay = x._layout
+    if func is aten.view_as_real.default:
+        atoms = None if lay.atoms is None else lay.atoms + (None,)
+        out = lay.replace(global_shape=tuple(x.shape) + (2,), atoms=atoms)
+    else:
+        atoms = None if lay.atoms is None else lay.atoms[:-1]
+        out = lay.replace(global_shape=tuple(x.shape[:-1]), atoms=atoms)
+    return c.wrap(y, x.device_mesh, out)
+
+
+@register(aten.unfold.default)
+def _unfold(func, args, kwargs):
+    """``Tensor.unfold`` along a dim no mesh dim cuts: every rank unfolds its block (a cut
+    dim takes halos: :func:`shardlab.ops.unfold.tensor_unfold`, from ``__torch_function__``)."""
+    x, dim, size, step = args
+    dim %= max(x.ndim, 1)
+    if any(getattr(p, "dim", None) == dim for p in x._layout.placements):
+        return NotImplemented
+    y = func(x._local_tensor, dim, size, step)
+    lay = x._layout
+    shape = list(x.shape)
+    shape[dim] = y.shape[dim]
+    atoms = None if lay.atoms is None else lay.atoms + (None,)
+    return c.wrap(y, x.device_mesh, lay.replace(global_shape=(*shape, size), atoms=atoms))
