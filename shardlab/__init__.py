@@ -47,11 +47,20 @@ _LAZY = {
 
 
 def _complete_the_class():
-    """The engine and the ops above :mod:`shardlab.tensor` (they install themselves on it)."""
-    import shardlab.ops  # noqa: F401  (imports shardlab.engine)
+    """The engine and the ops above :mod:`shardlab.tensor` (they install themselves on it);
+    while the engine is being imported (it imports the class), once it is done."""
+    import sys
+
+    if "shardlab.engine" not in sys.modules:
+        import shardlab.ops  # noqa: F401  (imports shardlab.engine)
+
+
+def _complete_the_engine():
+    import shardlab.ops  # noqa: F401
 
 
 _layers.after("shardlab.tensor", _complete_the_class)
+_layers.after("shardlab.engine", _complete_the_engine)
 
 
 def __getattr__(name):

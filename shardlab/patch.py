@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.comm import traced
 from shardlab.ops.registry import ORIGINALS
+from shardlab.tensor import ShardTensor
 
 __all__ = ["PATCHED_NAMES", "disable", "enable", "is_enabled", "patched"]
 
@@ -53,8 +54,9 @@ PATCHED_NAMES = (
 _LOCK = threading.RLock()
 _ORIGINALS = ORIGINALS  # name -> torch's own F.<name>, while it is patched
 _WRAPPERS: dict = {}  # (name, torch's function) -> its wrapper, made once
-_SHARD_TENSOR: list = []  # the class whose instances route a call: ShardTensor (set by
-# enable()), or DTensor inside ``patched(dtensors=True)``
+_SHARD_TENSOR: list = [ShardTensor]  # the class whose instances route a call: ShardTensor,
+# or DTensor inside ``patched(dtensors=True)``; never empty (a thread may still be in a
+# wrapper another thread's disable() has just taken off)
 
 
 def _has_shard_tensor(args, kwargs) -> bool:
@@ -201,11 +203,8 @@ def enable(*, dtensors: bool | None = None) -> None:
     arguments; ``False`` (the default when first enabled): only ShardTensors do, and a
     call with plain tensors and plain DTensors runs torch's own code. ``None``: as it was.
     """
-    import shardlab.ops  # noqa: F401  (registers the handlers)
-    from shardlab.tensor import ShardTensor
-
     with _LOCK:
-        if dtensors is not None or not _SHARD_TENSOR:
+        if dtensors is not None:
             _SHARD_TENSOR[:] = [DTensor if dtensors else ShardTensor]
         if not _ORIGINALS:
             _hook_dynamo()
@@ -287,7 +286,7 @@ def _hook_dynamo() -> None:
 def disable() -> None:
     """Put the original functions back (a second call changes nothing)."""
     with _LOCK:
-        _SHARD_TENSOR.clear()  # (the next enable() routes ShardTensors only, unless told)
+        _SHARD_TENSOR[:] = [ShardTensor]  # (the next enable() routes ShardTensors, unless told)
         for name, original in list(_ORIGINALS.items()):
             setattr(F, name, original)
             del _ORIGINALS[name]

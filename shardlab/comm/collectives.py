@@ -59,6 +59,8 @@ import torch.distributed as dist
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from shardlab.comm import p2p, traced
+
 __all__ = ["all_gather", "all_reduce_", "exchange", "is_traced", "sending"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -82,8 +84,6 @@ def sending(t, group=None) -> None:
     frame eagerly (on every rank alike: the message's group decides, not the block)."""
     if type(t) is torch.Tensor or (group is not None and dist.get_world_size(group) == 1):
         return
-    from shardlab.comm import traced
-
     if traced.breaks_on_messages():  # dynamo runs an op on cut blocks (check_ranks)
         traced.graph_break("a message between ranks")
     traced.message_traced(t)
@@ -135,14 +135,12 @@ def _exchange(
     groups: str,
     token: torch.Tensor,
 ) -> list[torch.Tensor]:
-    from shardlab.comm.p2p import run_p2p
-
     out = [torch.empty_like(r, memory_format=torch.contiguous_format) for r in recvs]
     gs = [_resolve_process_group(g) if g else None for g in groups.split(",")]
     ops = [dist.P2POp(dist.isend, t.contiguous(), p, g) for t, p, g in zip(sends, to, gs)]
     gs = gs[len(sends) :]
     ops += [dist.P2POp(dist.irecv, b, p, g) for b, p, g in zip(out, sources, gs)]
-    run_p2p(ops)
+    p2p.run_p2p(ops)
     return [*out, token.new_empty(0)]
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardlab.comm import collectives
 from shardlab.comm._once import first_order
-from shardlab.comm.p2p import post
+from shardlab.comm.p2p import my_coord, post, rank_at
 from shardlab.comm.recompute import fenced
 from shardlab.layout import ConvPlan
 from shardlab.trace import label
@@ -220,8 +220,6 @@ def _edges(index, total):
 
 def peers_along(mesh, mesh_dim: int) -> tuple[list[int], int]:
     """Global ranks of the ranks that share my coordinates except along ``mesh_dim``."""
-    from shardlab.comm.p2p import my_coord, rank_at
-
     me = my_coord(mesh)
     peers = [
         rank_at(mesh, me[:mesh_dim] + (k,) + me[mesh_dim + 1 :])

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardlab.comm import collectives
+from shardlab.comm import collectives, traced
 from shardlab.layout import ShardLayout, redistribute_plan
 from shardlab.trace import label
 
@@ -62,9 +62,7 @@ def rank_at(mesh, coord) -> int:
     read once per mesh (``DeviceMesh.mesh`` rebuilds a tensor at every access)."""
     hit = _GRIDS.get(id(mesh))
     if hit is None or hit[0] is not mesh:
-        from shardlab.comm.traced import outside_modes
-
-        with outside_modes():  # a real grid, also while torch.compile traces
+        with traced.outside_modes():  # a real grid, also while torch.compile traces
             grid = mesh.mesh
             ranks = grid.flatten().tolist()
         coords = itertools.product(*(range(n) for n in grid.shape))

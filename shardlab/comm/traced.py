@@ -44,6 +44,7 @@ import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 
 from shardlab._tree import tree_leaves
+from shardlab.comm import collectives
 from shardlab.layout.views import clamp_index
 
 __all__ = [
@@ -413,8 +414,6 @@ class messages_in_graphs:
     """
 
     def __enter__(self):
-        from shardlab.comm import collectives
-
         tag = torch.compiler.config.cache_key_tag
         stack = contextlib.ExitStack()
         stack.enter_context(

@@ -12,7 +12,9 @@ DTensor installs its dispatcher.
 - :mod:`.aten`: the rules, one family per file.
 """
 
+from shardlab import _layers
 from shardlab.engine import dispatch, lift, nograd
 from shardlab.tensor import api
 
 api.install(dispatch=dispatch.dispatch, replay=nograd.call, lift=lift._lift_trainable)
+_layers.loaded(__name__)  # the ops, if the engine was imported first (shardlab/__init__.py)

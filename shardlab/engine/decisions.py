@@ -37,7 +37,9 @@ import contextlib
 import torch
 
 from shardlab import _compat
-from shardlab.comm import traced
+from shardlab.comm import p2p, traced
+from shardlab.engine import _common
+from shardlab.tensor.api import ShardTensor
 
 __all__ = [
     "BLOCKS", "Decomposed", "LocalCall", "LocalExpand", "LocalInplace", "LocalReshape",
@@ -106,25 +108,13 @@ def remember(key, decision, table=_TABLE) -> None:
     table[key] = decision
 
 
-_ST = None  # ShardTensor (api imports this module)
-
-
-def _shard_tensor():
-    global _ST
-    if _ST is None:
-        from shardlab.tensor.api import ShardTensor
-
-        _ST = ShardTensor
-    return _ST
-
-
 class _Uncacheable(Exception):
     pass
 
 
 def signature(func, args, kwargs):
     """The key of the decision for ``func(*args, **kwargs)``, or None (not cacheable)."""
-    st = _ST or _shard_tensor()
+    st = ShardTensor
     try:
         # a ShardTensor's stride(), dtype and requires_grad each call its
         # __torch_function__ (~1 us each, more than the rest of the key): read them in C
@@ -163,7 +153,7 @@ def signature(func, args, kwargs):
 def named(args, kwargs) -> tuple:
     """The objects a key of a call on ``args``/``kwargs`` names by id besides the op:
     every ShardTensor's spec (its mesh in it) and layout."""
-    st = _ST or _shard_tensor()
+    st = ShardTensor
     out = []
 
     def visit(a):
@@ -238,15 +228,13 @@ class LocalCall:
     __slots__ = ("moves", "mesh", "outs", "many", "cause", "still", "lists", "anchors", "local")
 
     def __init__(self, moves, mesh, outs, many, cause, anchors=(), local=None):
-        from shardlab.comm.p2p import my_coord
-
         self.moves, self.mesh, self.many, self.cause = tuple(moves), mesh, many, cause
         self.still = all(m is None for m in self.moves)  # nothing moves: blocks as they are
         # only lists of blocks taken as they are (cat's), nothing else moves
         self.lists = not self.still and all(m is None or m is BLOCKS for m in self.moves)
         self.anchors = tuple(anchors)  # what the ids in the key name: kept alive
         self.local = local  # what runs on the blocks instead of the op itself (LocalView)
-        me = my_coord(mesh)
+        me = p2p.my_coord(mesh)
         self.outs = tuple(
             (layout, layout.local_shape(me),
              _compat.dtensor_spec(mesh, traced.placements(layout), layout.global_shape,
@@ -255,7 +243,7 @@ class LocalCall:
         )  # fmt: skip
 
     def __call__(self, func, args, kwargs):
-        st = _ST
+        st = ShardTensor
         if self.still and not kwargs:  # the commonest case, inline
             local_args = [a._local_tensor if type(a) is st else a for a in args]
             local_kwargs = kwargs
@@ -323,7 +311,7 @@ class LocalCall:
             return a._local_tensor if type(a) is st else a
         if move is BLOCKS:  # a plain tensor in the list: only ever a skipped empty one
             return [t._local_tensor if type(t) is st else t for t in a]
-        c = _common()
+        c = _common
         if type(a) is st:
             return c.move(a, move, self.cause)._local_tensor
         return c.move(c.as_shard(a, self.mesh), move, self.cause)._local_tensor
@@ -341,9 +329,9 @@ class LocalInplace(LocalCall):
     __slots__ = ()
 
     def __call__(self, func, args, kwargs):
-        local_args, local_kwargs = self._blocks(args, kwargs, _ST)
+        local_args, local_kwargs = self._blocks(args, kwargs, ShardTensor)
         func(*local_args, **local_kwargs)
-        _common().written(args[0])
+        _common.written(args[0])
         return args[0]
 
 
@@ -358,16 +346,18 @@ class Decomposed:
 
     def __call__(self, func, args, kwargs):
         out = self.fn(*args, **kwargs)
-        if type(out) is not _ST or out._layout != self.layout:
+        if type(out) is not ShardTensor or out._layout != self.layout:
             raise RuntimeError(
                 f"shardlab internal error: {func}'s decomposition gave "
                 f"{getattr(out, '_layout', type(out).__name__)} where it gave {self.layout} "
                 "for the same signature before; please report it"
             )
         if out.stride() != self.stride and not any(
-            out is a for a in _common().shards_in((args, kwargs))
+            out is a for a in _common.shards_in((args, kwargs))
         ):  # as dispatch._with_strides: the global strides torch gives on one device
-            new = _ST._wrap(out._local_tensor, out.device_mesh, out._layout, stride=self.stride)
+            new = ShardTensor._wrap(
+                out._local_tensor, out.device_mesh, out._layout, stride=self.stride
+            )
             if hasattr(out, "_writeback"):
                 new._writeback = out._writeback
             out = new
@@ -445,9 +435,3 @@ class LocalExpand:
 
     def __call__(self, args, kwargs):
         return args[0].expand(self.shape)
-
-
-def _common():
-    from shardlab.engine.aten import _common
-
-    return _common

@@ -28,14 +28,16 @@ from torch.distributed.tensor import Partial
 
 from shardlab import _compat
 from shardlab.comm import traced
+from shardlab.engine import _common as c
 from shardlab.engine import decisions, nograd
 from shardlab.engine.aten import HANDLERS, register
-from shardlab.engine.aten import _common as c
 from shardlab.engine.aten.fallback import replicate_and_run
+from shardlab.engine.aten.foreach import _ops
 from shardlab.engine.aten.foreach_aligned import aligned
 from shardlab.engine.aten.inplace_views import OUT_OF_PLACE, inplace_view
 from shardlab.engine.aten.pointwise import is_pointwise, pointwise, replay
 from shardlab.engine.aten.whole import on_blocks, whole_arguments
+from shardlab.layout import ShardLayout
 
 __all__ = ["dispatch", "register"]
 
@@ -44,8 +46,6 @@ _TABLE = decisions._TABLE  # (read inline: the hit path)
 
 def _foreach_ids() -> set:
     """ids of every overload of the ops :func:`~.aten.foreach.foreach` handles."""
-    from shardlab.engine.aten.foreach import _ops
-
     return {id(getattr(p, o)) for p in _ops() for o in p.overloads()}
 
 
@@ -125,7 +125,7 @@ def _decide(key, func, args, kwargs):
 
 
 def _written_views(func, args, kwargs, written) -> None:
-    """:func:`~.aten._common.written` for each ShardTensor the op wrote: by position, by
+    """:func:`~._common.written` for each ShardTensor the op wrote: by position, by
     name (``out=``), and inside a written list (``_foreach_add_``)."""
     st = c.ShardTensor
     names = func._schema.arguments
@@ -204,8 +204,6 @@ def _whole_moves(moves, args, kwargs) -> list:
     """A move from a whole block to a whole layout is no move (each rank's block of the
     one is its block of the other: a relabelling over mesh dims of one rank, or a plain
     tensor "cut" to a layout that cuts nothing): kept as None, the block as it is."""
-    from shardlab.layout import ShardLayout
-
     st = c.ShardTensor
     out = list(moves)
     for i, (a, m) in enumerate(zip((*args, *kwargs.values()), moves)):

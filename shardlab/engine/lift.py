@@ -19,10 +19,10 @@ from shardlab.comm._once import passes_no_gradient
 from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
 from shardlab.tensor import grad_sum, submesh
-from shardlab.tensor._autograd import local_of
 from shardlab.tensor._checks import _check_device
 from shardlab.tensor.api import _SCALARS, ShardTensor
 from shardlab.tensor.dtensors import from_dtensor
+from shardlab.tensor.functions import local_of
 
 __all__ = ["lift_trainable"]
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from shardlab import _compat
 from shardlab.engine import decisions
 from shardlab.tensor import api
+from shardlab.tensor.api import ShardTensor
 
 __all__ = ["PASS_THROUGH", "TABLE", "call", "seen"]
 
@@ -60,7 +61,7 @@ def call(func, types, args, kwargs):
     """``func(*args, **kwargs)`` replayed on the blocks, else NotImplemented (the usual
     path). ``args``/``kwargs``: ShardTensors of one mesh, scalars, lists of those."""
     grad = _grad()
-    if grad and args and type(args[0]) is decisions._ST and _read(_REQUIRES_GRAD, (), args[:1], {}):
+    if grad and args and type(args[0]) is ShardTensor and _read(_REQUIRES_GRAD, (), args[:1], {}):
         return NotImplemented  # training: the first test (the key would find it too)
     if func in _NEVER or _autocast() or _modes() or _function_modes():
         return NotImplemented
@@ -81,7 +82,7 @@ def call(func, types, args, kwargs):
     before, _WATCH[0] = _WATCH[0], [_thread()]  # (this thread's ops only)
     try:
         out = torch._C._disabled_torch_function_impl(func, types, args, kwargs)
-        if type(out) is not decisions._ST:  # sizes, dtypes, tuples of results ...
+        if type(out) is not ShardTensor:  # sizes, dtypes, tuples of results ...
             _never(func)
         else:
             learnt = _learnt(out, _WATCH[0][1:], kept or 0)
@@ -105,7 +106,7 @@ def _key(func, args, kwargs, grad):
     in its key can be another object's (an id reused in a key kept as "not learnt" only
     sends a call the usual way); whether the arguments require grad is not in it
     (nothing is recorded either way)."""
-    st = decisions._ST
+    st = ShardTensor
     key = [id(func)]
     with _NO_TORCH_FUNCTION():
         for a in args:
@@ -202,7 +203,7 @@ class _Replay:
         self.anchors = anchors  # keeps the ids in the key alive
 
     def __call__(self, func, args, kwargs):
-        st = decisions._ST
+        st = ShardTensor
         blocks = [
             a._local_tensor if type(a) is st else (_blocks(a, st) if type(a) in _LISTS else a)
             for a in args
@@ -219,7 +220,7 @@ class _Replay:
             if out is b:  # a block returned as it is: the result would alias an input
                 raise decisions.Stale
         new = (_NEW or _compat.dtensor_constructor())[0]
-        wrapped = new(decisions._ST, out, self.spec, requires_grad=False)
+        wrapped = new(ShardTensor, out, self.spec, requires_grad=False)
         wrapped._layout = self.layout
         return wrapped
 

@@ -70,10 +70,13 @@ def canonical(global_shape, placements, sizes, atoms, cuts):
     return tuple(sizes), tuple(new_atoms), tuple(0 if c is None else c for c in new_cuts)
 
 
+def offsets(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Exclusive prefix sums: where each piece starts. ``offsets([5, 0, 4]) == (0, 5, 5)``."""
+    return tuple(itertools.accumulate(sizes, initial=0))[:-1]
+
+
 def atom_ranges(layout, d: int, coord: Sequence[int]) -> list[tuple[int, int]]:
     """Per atom of dim ``d``: ``(start, size)`` of ``coord``'s piece (uncut: the whole)."""
-    from .shards import offsets
-
     ats = layout.dim_atoms(d)
     ranges = [(0, e) for e in ats]
     for m, p in enumerate(layout.placements):

@@ -14,6 +14,8 @@ from torch import SymInt as _SymInt
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from shardlab import _compat
+
 SUPPORTED_PLACEMENTS = "Shard(dim), Replicate() or Partial(op)"
 
 
@@ -24,8 +26,6 @@ def as_int(name: str, value: object, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         said = f"{name} must be an int, got {type(value).__name__} {value!r}"
         if isinstance(value, _SymInt):  # a size traced symbolically (torch.compile)
-            from shardlab import _compat
-
             if _compat.compiled_autograd_on():  # a backward from a plain tensor
                 raise NotImplementedError(f"{_compat.COMPILED_AUTOGRAD} ({said})")
             said += ": a layout holds numbers, never a size torch.compile made symbolic"

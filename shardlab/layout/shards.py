@@ -41,7 +41,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._atoms import atom_ranges, canonical, dim_indices, dim_intervals
+from ._atoms import atom_ranges, canonical, dim_indices, dim_intervals, offsets
 from ._checks import (
     as_int,
     check_mesh_shape,
@@ -54,6 +54,7 @@ from ._checks import (
     per_mesh_dim,
     placement_str,
 )
+from .local_shapes import infer_sizes
 
 __all__ = ["ShardLayout", "chunk_sizes", "format_sizes", "offsets", "owner_of"]
 
@@ -70,11 +71,6 @@ def chunk_sizes(length: int, parts: int) -> tuple[int, ...]:
     parts = as_int("parts", parts, 1)
     chunk = -(-length // parts)
     return tuple(max(0, min(chunk, length - i * chunk)) for i in range(parts))
-
-
-def offsets(sizes: Sequence[int]) -> tuple[int, ...]:
-    """Exclusive prefix sums: where each piece starts. ``offsets([5, 0, 4]) == (0, 5, 5)``."""
-    return tuple(itertools.accumulate(sizes, initial=0))[:-1]
 
 
 def owner_of(index: int, sizes: Sequence[int]) -> int:
@@ -264,8 +260,6 @@ class ShardLayout:
         local_shapes: Mapping[tuple[int, ...], Sequence[int]],
     ) -> ShardLayout:
         """Infer sizes (and ``global_shape`` if None) from every rank's local shape."""
-        from .local_shapes import infer_sizes
-
         gshape, places, sizes = infer_sizes(global_shape, mesh_shape, placements, local_shapes)
         return cls.build(gshape, mesh_shape, places, sizes)
 

@@ -121,11 +121,11 @@ def whole_where_query_is(t, lay, ql, seq):
     if not cut:
         return t, lay
     from shardlab.layout import moves
-    from shardlab.tensor.api import _Redistribute
+    from shardlab.tensor.functions import Redistribute
 
     whole = moves.replicated(lay, cut)
     cause = "auto-redistribute for scaled_dot_product_attention"
-    return _Redistribute.apply(t, whole, cause), whole
+    return Redistribute.apply(t, whole, cause), whole
 
 
 def check_layouts(ql, kl, vl, nd) -> list[int]:
@@ -245,7 +245,7 @@ def keys_whole(mask, query, mesh):
     query is cut there (an all-to-all), else it is gathered (an all-gather: ``B x S``
     values for a key-padding mask). Labelled ``auto-redistribute for attn_mask``."""
     from shardlab.tensor import ShardTensor
-    from shardlab.tensor.api import _Redistribute
+    from shardlab.tensor.functions import Redistribute
 
     if not isinstance(mask, ShardTensor) or mask.ndim == 0 or mask.device_mesh != mesh:
         return mask  # (layout_of says what is wrong with another mesh)
@@ -271,7 +271,7 @@ def keys_whole(mask, query, mesh):
         else:
             places[m], sizes[m] = Replicate(), None
     dst = lay.replace(placements=tuple(places), sizes=tuple(sizes))
-    return _Redistribute.apply(mask, dst, "auto-redistribute for attn_mask")
+    return Redistribute.apply(mask, dst, "auto-redistribute for attn_mask")
 
 
 def mask_cuts(lay, ql, off, coord) -> list:

@@ -88,7 +88,8 @@ def local_target(target, input, cd, probs, coord):
     a ShardTensor laid out otherwise (a causal-LM label shift: each rank's first label
     belongs to the rank before): moved, exactly the entries that change owner."""
     from shardlab.tensor import ShardTensor
-    from shardlab.tensor.api import _Redistribute, distribute
+    from shardlab.tensor.create import distribute
+    from shardlab.tensor.functions import Redistribute
 
     want = input.sharding if probs else rows_layout(input.sharding, cd)
     if not isinstance(target, ShardTensor):
@@ -103,7 +104,7 @@ def local_target(target, input, cd, probs, coord):
     from shardlab.trace import label
 
     with label("cross_entropy.target"):
-        return _Redistribute.apply(target, want).to_local()
+        return Redistribute.apply(target, want).to_local()
 
 
 _CHECKED: dict = {}  # the signature of a call -> None or torch's error for it

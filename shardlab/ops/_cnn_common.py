@@ -45,7 +45,7 @@ def cut_once(name: str, input, dims=None):
     ``auto-redistribute for <name>``): windows and statistics read one mesh dim's pieces.
     ``dims``: only these dims (the others keep both cuts)."""
     from shardlab.layout import moves
-    from shardlab.tensor.api import _Redistribute
+    from shardlab.tensor.functions import Redistribute
 
     seen, again = set(), []  # tensor dims seen cut; mesh dims cutting one again
     for m, p in enumerate(input.sharding.placements):
@@ -56,7 +56,7 @@ def cut_once(name: str, input, dims=None):
     if not again:
         return input
     whole = moves.replicated(input.sharding, again)
-    return _Redistribute.apply(input, whole, f"auto-redistribute for {name}")
+    return Redistribute.apply(input, whole, f"auto-redistribute for {name}")
 
 
 def check_no_partial(name: str, input) -> None:
@@ -77,7 +77,7 @@ def meta_call(fn, input, *args, **kwargs):
     Cached by the arguments' shapes, dtypes and values (torch's reference decompositions
     on meta tensors cost hundreds of microseconds; a training step repeats its calls);
     the result is only read (shapes), never written."""
-    from shardlab.engine.aten._common import _key
+    from shardlab.engine._common import _key
 
     try:
         with torch._C.DisableTorchFunctionSubclass():  # a ShardTensor's shape: no Python

@@ -145,10 +145,11 @@ class RowsNorm(torch.autograd.Function):
     @staticmethod
     @first_order("layer norm")
     def backward(ctx, grad):
-        from shardlab.tensor.api import ShardTensor, _local_of
+        from shardlab.tensor.api import ShardTensor
+        from shardlab.tensor.functions import local_block
 
         x, w, b, mean, rstd = kept(ctx)
-        g = _local_of(grad, ctx.layout, ctx.mesh)  # (..., *shape) on this rank's rows
+        g = local_block(grad, ctx.layout, ctx.mesh)  # (..., *shape) on this rank's rows
         need = [ctx.needs_input_grad[0], w is not None, b is not None]
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
             g, x, ctx.shape, mean, rstd, w, b, need

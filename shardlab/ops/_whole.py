@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardlab.tensor._autograd import records
+from shardlab.tensor.functions import records
 
 __all__ = ["NAMES", "whole_call"]
 
@@ -136,13 +136,13 @@ def whole_call(name, original, args, kwargs):
 def _blocks(args, kwargs, first, st):
     """``(args, kwargs)`` with each ShardTensor's block, differentiably: one autograd
     Function for all of them (attention's q, k, v: one node, not three)."""
-    from shardlab.tensor.api import _ToLocal
+    from shardlab.tensor.functions import ToLocal
 
     kw = list(kwargs)
     flat = [*args, *kwargs.values()]
     at = [i for i, a in enumerate(flat) if type(a) is st]
     if len(at) == 1:
-        flat[at[0]] = _ToLocal.apply(first, first._layout)
+        flat[at[0]] = ToLocal.apply(first, first._layout)
     else:
         for i, block in zip(at, _Blocks.apply(*[flat[i] for i in at])):
             flat[i] = block

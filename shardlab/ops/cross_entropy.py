@@ -61,7 +61,7 @@ import torch.distributed as dist
 from shardlab.comm import collectives, p2p
 from shardlab.comm._once import first_order
 from shardlab.comm.recompute import fenced, kept
-from shardlab.engine.aten._common import replicate_layout
+from shardlab.engine._common import replicate_layout
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import cut_once, groups_over
 from shardlab.ops.registry import register
@@ -121,9 +121,9 @@ def cross_entropy(
     cd = 1 if input.ndim >= 2 else 0
     if not input.sharding.is_block(cd):  # the classes must be consecutive (rows need not)
         from shardlab.layout import moves
-        from shardlab.tensor.api import _Redistribute
+        from shardlab.tensor.functions import Redistribute
 
-        input = _Redistribute.apply(input, moves.as_block(input.sharding, cd))
+        input = Redistribute.apply(input, moves.as_block(input.sharding, cd))
     input = cut_once("cross_entropy", input, (cd,))  # classes cut twice: by the first mesh dim
     mesh, layout = input.device_mesh, input.sharding
     class_dim, row_dims = ce_args.mesh_roles(layout, cd)

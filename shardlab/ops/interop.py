@@ -25,9 +25,9 @@ from torch.utils._pytree import tree_map
 from shardlab.engine.decisions import SCALARS
 from shardlab.layout import ShardLayout, moves
 from shardlab.tensor import submesh
-from shardlab.tensor._autograd import _Redistribute
 from shardlab.tensor.api import ShardTensor
 from shardlab.tensor.dtensors import from_dtensor
+from shardlab.tensor.functions import Redistribute
 from shardlab.trace import label
 
 __all__ = ["prepare"]
@@ -86,7 +86,7 @@ def prepare(args, kwargs, name: str, keep_strided: bool = False):
             want = _block_and_whole(a._layout, keep_strided)
             if want != a._layout:
                 with label(f"prepare {name}"):
-                    a = _Redistribute.apply(a, want)
+                    a = Redistribute.apply(a, want)
         return a
 
     return tree_map(conv, tuple(args)), tree_map(conv, dict(kwargs))

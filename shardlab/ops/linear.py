@@ -67,7 +67,8 @@ def out_layout(layout, out_features: int):
 @register("linear", raw=True)  # what it does not take goes to torch as it came
 def linear(input, weight, bias=None):
     from shardlab.tensor import ShardTensor
-    from shardlab.tensor.api import _ToLocal, from_layout
+    from shardlab.tensor.api import from_layout
+    from shardlab.tensor.functions import ToLocal
 
     layout = getattr(input, "_layout", None)
     if (
@@ -86,5 +87,5 @@ def linear(input, weight, bias=None):
     if out is False:
         return original("linear")(input, weight, bias)
     w, b = summed_grads([weight, bias], input, "linear.params")  # 3. in backward
-    y = torch.nn.functional.linear(_ToLocal.apply(input, layout), w, b)  # 1. (*, out)
+    y = torch.nn.functional.linear(ToLocal.apply(input, layout), w, b)  # 1. (*, out)
     return from_layout(y, input.device_mesh, out)  # 2.

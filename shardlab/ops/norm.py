@@ -53,7 +53,7 @@ from shardlab.ops._cnn_common import (
 )
 from shardlab.ops._cnn_norm import NormSpec, RowsNorm, SyncNorm
 from shardlab.ops.registry import register
-from shardlab.tensor._autograd import records
+from shardlab.tensor.functions import records
 
 
 def _no_channel_shard(name, input):
@@ -269,7 +269,7 @@ def _consecutive(input, dims, name):
     """``input`` with the strided ones of ``dims`` cut into consecutive pieces (the
     statistics read blocks of them; labelled ``auto-redistribute for <name>``)."""
     from shardlab.layout import moves
-    from shardlab.tensor.api import _Redistribute
+    from shardlab.tensor.functions import Redistribute
 
     layout = input.sharding
     for d in dims:
@@ -277,7 +277,7 @@ def _consecutive(input, dims, name):
             layout = moves.as_block(layout, d)
     if layout == input.sharding:
         return input
-    return _Redistribute.apply(input, layout, f"auto-redistribute for {name}")
+    return Redistribute.apply(input, layout, f"auto-redistribute for {name}")
 
 
 def _weight_block(t, input, k):

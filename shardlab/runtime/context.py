@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from shardlab import _compat
+
 __all__ = ["RankContext", "this_rank"]
 
 _CONTEXT: RankContext | None = None  # one per process: this process *is* the rank
@@ -239,8 +241,6 @@ def _destroy_group() -> None:
     gloo may abort during interpreter finalization)."""
     global _CONTEXT
     import torch.distributed as dist
-
-    from shardlab import _compat
 
     if dist.is_initialized():
         try:

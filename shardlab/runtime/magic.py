@@ -19,6 +19,7 @@ import shlex
 
 from shardlab.runtime import pool as _pool
 from shardlab.runtime import worker
+from shardlab.runtime.context import this_rank
 
 __all__ = ["register"]
 
@@ -26,8 +27,6 @@ __all__ = ["register"]
 def _prelude() -> None:
     import torch
     import torch.distributed as dist
-
-    from shardlab.runtime.context import this_rank
 
     ctx = this_rank()
     ctx.ns.setdefault("__name__", "__ranks__")

@@ -213,8 +213,7 @@ class Ranks:
         self.pids = [replies[r][2] for r in range(self.world_size)]
 
     def _spawn_workers(self, ctx, addr) -> None:
-        from shardlab.runtime import worker
-
+        worker = _worker()
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
             life_r, life_w = ctx.Pipe(duplex=False)
@@ -341,8 +340,7 @@ class Ranks:
             ranks.push(lr=0.1, steps=3)
             ranks.pull("lr")          # [0.1, 0.1, 0.1, 0.1]
         """
-        from shardlab.runtime import worker
-
+        worker = _worker()
         self._call(worker.push, (values,), {})
 
     def pull(self, *names: str) -> list | dict:
@@ -356,8 +354,7 @@ class Ranks:
             ranks.pull("x")           # [0, 1, 2, 3]
             ranks.pull("x", "lr")     # {"x": [0, 1, 2, 3], "lr": [...]}
         """
-        from shardlab.runtime import worker
-
+        worker = _worker()
         results, _ = self._call(worker.pull, (names,), {})
         if len(names) == 1:
             return [r[0] for r in results]
@@ -494,8 +491,7 @@ class Ranks:
         """torchrun mode: run here, all-gather (ok, result | error) across ranks."""
         import torch.distributed as dist
 
-        from shardlab.runtime import worker
-
+        worker = _worker()
         fn, args, kwargs = cloudpickle.loads(payload)
         try:
             mine = ("ok", fn(*args, **kwargs))
@@ -550,3 +546,11 @@ def print_outputs(outputs: list[str]) -> None:
         for line in text.rstrip("\n").split("\n"):
             sys.stdout.write(f"[rank {r}] {line}\n")
     sys.stdout.flush()
+
+
+def _worker():
+    """:mod:`shardlab.runtime.worker`, on first use: it imports torch (the forkserver preloads
+    it for the ranks), which the kernel's side of a pool does without."""
+    from shardlab.runtime import worker
+
+    return worker

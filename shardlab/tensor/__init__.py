@@ -8,7 +8,8 @@ package is loaded (:mod:`shardlab._layers`).
 """
 
 from shardlab import _layers
-from shardlab.tensor.api import ShardTensor, distribute, scatter_tensor
+from shardlab.tensor.api import ShardTensor
+from shardlab.tensor.create import distribute, scatter_tensor
 
 __all__ = ["ShardTensor", "distribute", "scatter_tensor"]
 

@@ -8,6 +8,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab import _compat
+from shardlab.runtime import this_rank
+from shardlab.trace import label
 
 __all__ = ["build_sizes"]
 
@@ -21,8 +23,6 @@ def build_sizes(sizes) -> list:
 
 def _mesh(mesh):
     if mesh is None:
-        from shardlab.runtime import this_rank
-
         return this_rank().mesh
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -72,8 +72,6 @@ def _gather_shapes(local: torch.Tensor, mesh) -> dict:
     One all-gather of 2 + 32 int64 per rank along each mesh dim (last first), so
     every rank of the mesh -- and only those -- sees every row and raises alike.
     """
-    from shardlab.trace import label
-
     row = torch.full((2 + _MAX_NDIM,), -1, dtype=torch.int64, device=local.device)
     row[0] = local.ndim if local.ndim <= _MAX_NDIM else -1
     row[1] = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else len(_DTYPES)

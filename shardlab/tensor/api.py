@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
 from shardlab.comm import p2p, traced
-from shardlab.layout import ShardLayout
-from shardlab.tensor import backward, checkpoint, compiled_grads, submesh
+from shardlab.layout import ShardLayout, format_sizes
+from shardlab.tensor import backward, checkpoint, compiled_grads, dtensors, functions, submesh
 from shardlab.tensor._checks import (
     _check_device,
     _gather_shapes,
@@ -34,7 +34,7 @@ from shardlab.tensor._checks import (
     build_sizes,
 )
 
-__all__ = ["ShardTensor", "scatter_tensor", "distribute"]
+__all__ = ["ShardTensor"]
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -59,7 +59,7 @@ def stride_like(template: Sequence[int], shape: Sequence[int]) -> tuple[int, ...
     return tuple(stride)
 
 
-def _grad_layout(layout: ShardLayout) -> ShardLayout:
+def gradient_layout(layout: ShardLayout) -> ShardLayout:
     """Gradients of a Partial value are Replicate (d sum / d part = 1 on every rank)."""
     places = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
     return layout.replace(placements=places)
@@ -187,7 +187,7 @@ class ShardTensor(DTensor):
         if self._layout is None or not any(isinstance(p, Partial) for p in self._layout.placements):
             return self
         with traced.guessing():
-            return _Redistribute.apply(self, _grad_layout(self._layout), "tangent")
+            return functions.Redistribute.apply(self, gradient_layout(self._layout), "tangent")
 
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
         # AOTAutograd: a runtime gradient in the layout the compiled backward was built for
@@ -196,7 +196,7 @@ class ShardTensor(DTensor):
             return None
         if want == self._layout:
             return self
-        return _Redistribute.apply(self, want, "tangent")
+        return functions.Redistribute.apply(self, want, "tangent")
 
     # -- torch.distributed.checkpoint: the real boxes (shardlab.tensor.checkpoint) ----
     def __create_write_items__(self, fqn: str, object):
@@ -221,7 +221,6 @@ class ShardTensor(DTensor):
         lay = self._layout
         if lay is None:
             return f"ShardTensor(tracing stand-in, global {tuple(self.shape)}, {self.dtype})"
-        from shardlab.layout import format_sizes
 
         def shown(m, p):
             if not isinstance(p, Shard):
@@ -306,7 +305,7 @@ class ShardTensor(DTensor):
                         f"from_local: local_tensor has shape {tuple(have)} on the rank at "
                         f"mesh coordinate {coord}, but {layout} gives that rank {want}"
                     )
-        return _FromLocal.apply(local_tensor, mesh, layout, stride)
+        return functions.FromLocal.apply(local_tensor, mesh, layout, stride)
 
     @staticmethod
     def from_dtensor(dtensor: DTensor) -> ShardTensor:
@@ -324,15 +323,13 @@ class ShardTensor(DTensor):
             x = distribute_tensor(img, mesh, [Shard(2)])           # torch's
             y = conv(ShardTensor.from_dtensor(x))                  # halos, exact
         """
-        from shardlab.tensor.dtensors import from_dtensor
-
         if not isinstance(dtensor, DTensor):
             raise TypeError(
                 f"from_dtensor: dtensor must be a DTensor, got {type(dtensor).__name__}"
             )
         if isinstance(dtensor, ShardTensor):
             return dtensor
-        return from_dtensor(dtensor)
+        return dtensors.from_dtensor(dtensor)
 
     # -- leaving -----------------------------------------------------------
     @traced.eager
@@ -359,7 +356,7 @@ class ShardTensor(DTensor):
                         f"{list(places)} for {list(self._layout.placements)}"
                     )
             grad_layout = self._layout.replace(placements=tuple(places))
-        return _ToLocal.apply(self, grad_layout)
+        return functions.ToLocal.apply(self, grad_layout)
 
     @traced.eager
     def redistribute(
@@ -385,7 +382,7 @@ class ShardTensor(DTensor):
         dst = ShardLayout.build(
             self._layout.global_shape, self._layout.mesh_shape, placements, sizes
         )
-        return _Redistribute.apply(self, dst)
+        return functions.Redistribute.apply(self, dst)
 
     def _redistribute_on(self, sub, placements, sizes) -> ShardTensor:
         """Redistribute over the mesh dims of sub-mesh ``sub`` only; the other mesh dims
@@ -406,7 +403,7 @@ class ShardTensor(DTensor):
             places[d] = new[i]
             want[d] = None if sizes is None else sizes[i]
         dst = ShardLayout.build(self._layout.global_shape, self._layout.mesh_shape, places, want)
-        out = _Redistribute.apply(self, dst)
+        out = functions.Redistribute.apply(self, dst)
         out._whole_to_local = True
         return out
 
@@ -570,14 +567,14 @@ def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> 
     differentiably: the sharded ops build their results with it."""
     if layout.mesh_shape in _ONE_RANK:  # the block is the tensor; nothing to fence
         if tuple(local.shape) == layout.global_shape:
-            return _FromLocalAlone.apply(local, mesh, layout, stride)
+            return functions.FromLocalAlone.apply(local, mesh, layout, stride)
     want = layout.local_shape(p2p.my_coord(mesh))
     if tuple(local.shape) != want:
         raise RuntimeError(
             f"shardlab internal error: a local block of shape {tuple(local.shape)} does not fit "
             f"{layout} (this rank needs {want}); please report it"
         )
-    return _FromLocal.apply(local, mesh, layout, stride)
+    return functions.FromLocal.apply(local, mesh, layout, stride)
 
 
 def replicate_layout(shape, mesh) -> ShardLayout:
@@ -680,14 +677,3 @@ def _known_to_libraries() -> None:
 
 
 _known_to_libraries()
-
-
-# below: modules that build on the class (they import it); their names are read from here
-from shardlab.tensor._autograd import (  # noqa: E402, F401
-    _FromLocal,
-    _FromLocalAlone,
-    _local_of,
-    _Redistribute,
-    _ToLocal,
-)
-from shardlab.tensor.create import distribute, scatter_tensor  # noqa: E402

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from shardlab import _compat
 from shardlab.comm import traced
 from shardlab.tensor import compiled_grads
 
@@ -118,8 +119,6 @@ def _no_compiled_autograd() -> None:
     """Compiled autograd (torch's option to trace the whole backward) cannot trace one
     through ShardTensors: its capture runs their ops on symbolic sizes, which a layout
     cannot hold. A clear error first, on every rank (a setting, never a shape)."""
-    from shardlab import _compat
-
     if _compat.compiled_autograd_on():
         raise NotImplementedError(_compat.COMPILED_AUTOGRAD)
 

@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from shardlab.comm import p2p
 from shardlab.layout import ShardLayout
 
 __all__ = [
@@ -154,8 +155,6 @@ def create_write_items(st, fqn: str) -> list:
     )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from shardlab.comm import p2p
-
     check_checkpointable(st._layout, f"key {fqn!r}")
     props = TensorProperties.create_from_tensor(st._local_tensor)
     size = torch.Size(st._layout.global_shape)
@@ -177,8 +176,6 @@ def create_chunk_list(st) -> list:
     """``__create_chunk_list__``: the boxes this rank holds (what it loads)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from shardlab.comm import p2p
-
     check_checkpointable(st._layout, _name(st))
     return [
         ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
@@ -189,8 +186,6 @@ def create_chunk_list(st) -> list:
 def get_tensor_shard(st, index) -> torch.Tensor:
     """``__get_tensor_shard__``: the box at ``index.offset`` as a view of the local block
     (DCP writes it when saving and copies into it when loading)."""
-    from shardlab.comm import p2p
-
     layout = st._layout
     check_checkpointable(layout, _name(st))
     local = st._local_tensor

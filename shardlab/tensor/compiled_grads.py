@@ -23,7 +23,7 @@ import functools
 import torch
 
 from shardlab.comm import traced
-from shardlab.tensor import api
+from shardlab.tensor import api, grad_sum
 
 __all__ = ["plain_gradients", "route", "zero_gradients"]
 
@@ -73,14 +73,13 @@ def _nodes(roots):
 
 def _sharded_outputs(node, meta):
     """(index, global shape, dtype, device) of each differentiable ShardTensor output."""
-    from shardlab.tensor.api import ShardTensor
 
     first = meta.num_mutated_inp_runtime_indices
     for i, info in enumerate(meta.output_info):
         kind = getattr(info.output_type, "name", "")
         if kind not in ("non_alias", "unsafe_view_alias", "custom_function_view"):
             continue
-        if not (info.requires_grad and issubclass(info.raw_type, ShardTensor)):
+        if not (info.requires_grad and issubclass(info.raw_type, api.ShardTensor)):
             continue
         m = node._input_metadata[first + i]
         yield first + i, tuple(m.shape), m.dtype, m.device
@@ -123,12 +122,9 @@ def route(node) -> None:
 def _route_hook(node, grad_inputs, grad_outputs):
     from torch.distributed.tensor import DTensor, Partial
 
-    from shardlab.tensor import grad_sum
-    from shardlab.tensor.api import ShardTensor
-
     out = None
     for i, g in enumerate(grad_inputs):
-        if type(g) is not ShardTensor or g._spec.mesh.size() == 1:
+        if type(g) is not api.ShardTensor or g._spec.mesh.size() == 1:
             continue
         var = getattr(node.next_functions[i][0], "variable", None)
         # a Partial gradient is a plain input's (traced.check_ranks breaks the graph where

@@ -12,15 +12,16 @@ from shardlab.comm import p2p, traced
 from shardlab.comm._once import first_order, passes_no_gradient
 from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
-from shardlab.tensor._autograd import local_of
+from shardlab.tensor import api
 from shardlab.tensor._checks import _check_device, _mesh, _placements
-from shardlab.tensor.api import ShardTensor, _grad_layout
+from shardlab.tensor.functions import local_of
+from shardlab.trace import label
 
 __all__ = ["distribute", "scatter_tensor"]
 
 
 @traced.eager
-def scatter_tensor(tensor, src: int, device_mesh, placements, sizes=None) -> ShardTensor:
+def scatter_tensor(tensor, src: int, device_mesh, placements, sizes=None) -> api.ShardTensor:
     """Split ``tensor``, which lives on global rank ``src`` only, over the mesh.
 
     Every other rank passes anything (``None``) and receives only its own block:
@@ -47,8 +48,6 @@ def scatter_tensor(tensor, src: int, device_mesh, placements, sizes=None) -> Sha
         meta = [tuple(tensor.shape), tensor.dtype, tensor.requires_grad]
     else:
         meta = [None, None, None]
-    from shardlab.trace import label
-
     with label("scatter_tensor.meta"):
         _broadcast_in_mesh(meta, src, mesh)
     shape, dtype, requires_grad = meta
@@ -83,18 +82,14 @@ class _Scatter(torch.autograd.Function):
     def forward(ctx, tensor, src, mesh, layout):
         ctx.src, ctx.mesh, ctx.sharding = src, mesh, layout
         ctx.shape, ctx.is_src = tensor.shape, dist.get_rank() == src
-        from shardlab.trace import label
-
         with label("scatter_tensor"):
             local = _scatter_blocks(tensor, src, mesh, layout)
-        return ShardTensor._wrap(local, mesh, layout)
+        return api.ShardTensor._wrap(local, mesh, layout)
 
     @staticmethod
     @first_order("scatter_tensor")
     def backward(ctx, grad):
-        from shardlab.trace import label
-
-        local = local_of(grad, _grad_layout(ctx.sharding), ctx.mesh)
+        local = local_of(grad, api.gradient_layout(ctx.sharding), ctx.mesh)
         with label("scatter_tensor backward"):
             full = _gather_blocks(local, ctx.src, ctx.mesh, ctx.sharding)
         return (
@@ -156,7 +151,7 @@ def _gather_blocks(local, src, mesh, layout):
 
 
 @traced.eager
-def distribute(tensor: torch.Tensor, device_mesh, placements, sizes=None) -> ShardTensor:
+def distribute(tensor: torch.Tensor, device_mesh, placements, sizes=None) -> api.ShardTensor:
     """Every rank holds the same global ``tensor``: keep each rank's block (no communication).
 
     Differentiable: the gradient of ``tensor`` is the full gradient on every rank
@@ -192,7 +187,7 @@ class _Distribute(torch.autograd.Function):
         for m, p in enumerate(layout.placements):
             if isinstance(p, Partial) and coord[m] != 0:
                 local.zero_()
-        return ShardTensor._wrap(local, mesh, layout)
+        return api.ShardTensor._wrap(local, mesh, layout)
 
     @staticmethod
     def backward(ctx, grad):

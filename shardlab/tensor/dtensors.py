@@ -13,7 +13,7 @@ import torch
 from shardlab.comm._once import first_order, passes_no_gradient
 from shardlab.comm.recompute import fenced
 from shardlab.layout.dtensor import layout_of_dtensor
-from shardlab.tensor import _autograd, api
+from shardlab.tensor import api, functions
 
 __all__ = ["from_dtensor"]
 
@@ -31,7 +31,7 @@ class _FromDTensor(torch.autograd.Function):
     @first_order("a DTensor made a ShardTensor")
     def backward(ctx, grad):
         mesh, places = ctx.mesh, ctx.placements
-        return _autograd.dtensor_grad(
+        return functions.dtensor_grad(
             grad, mesh, ctx.layout, mesh, places, ctx.shape, ctx.stride
         ), None
 

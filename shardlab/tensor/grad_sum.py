@@ -35,7 +35,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlab.comm import collectives
-from shardlab.tensor.api import ShardTensor
+from shardlab.tensor import api
 from shardlab.trace import label
 
 __all__ = ["deferrable_input", "keep", "take"]
@@ -66,7 +66,7 @@ def take(ctx, grad, mesh, index: int = 0) -> bool:
     keep ``grad`` (a ShardTensor, Partial sum over
     some mesh dims, Replicate over the rest) for the sum at the end of this backward, and
     say so; False (nothing kept) where the rule above does not hold."""
-    if type(grad) is not ShardTensor or grad._layout is None:
+    if type(grad) is not api.ShardTensor or grad._layout is None:
         return False
     dims = []
     for m, p in enumerate(grad._layout.placements):

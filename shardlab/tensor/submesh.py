@@ -31,6 +31,7 @@ from shardlab.comm._once import first_order, passes_no_gradient
 from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
 from shardlab.layout.dtensor import layout_of_dtensor
+from shardlab.tensor import api, functions
 
 __all__ = ["embed", "embed_layout", "hook_sub_mesh", "sub_mesh_dims"]
 
@@ -77,9 +78,8 @@ def embed_layout(layout: ShardLayout, dims: tuple[int, ...], mesh) -> ShardLayou
 
 
 def _sub_layout(a) -> ShardLayout:
-    from shardlab.tensor.api import ShardTensor
 
-    return a._layout if isinstance(a, ShardTensor) else layout_of_dtensor(a)
+    return a._layout if isinstance(a, api.ShardTensor) else layout_of_dtensor(a)
 
 
 def embed(a, mesh):
@@ -98,22 +98,19 @@ def embed(a, mesh):
 class _Embed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, mesh, layout):
-        from shardlab.tensor.api import ShardTensor
 
         ctx.sub, ctx.mesh, ctx.layout = a.device_mesh, mesh, layout
         ctx.placements, ctx.shape, ctx.stride = a.placements, a.shape, a.stride()
-        ctx.shard = isinstance(a, ShardTensor)
-        return ShardTensor._wrap(a._local_tensor, mesh, layout, stride=a.stride())
+        ctx.shard = isinstance(a, api.ShardTensor)
+        return api.ShardTensor._wrap(a._local_tensor, mesh, layout, stride=a.stride())
 
     @staticmethod
     @first_order("a sub-mesh DTensor")
     def backward(ctx, grad):
-        from shardlab.tensor._autograd import dtensor_grad
-        from shardlab.tensor.api import ShardTensor, _grad_layout, _local_of
 
         if ctx.shard:
-            target = _grad_layout(ctx.layout)  # the other mesh dims: summed (all-reduce)
-            local = _local_of(grad, target, ctx.mesh)
+            target = api.gradient_layout(ctx.layout)  # the other mesh dims: summed (all-reduce)
+            local = functions.local_block(grad, target, ctx.mesh)
             dims = sub_mesh_dims(ctx.sub, ctx.mesh)
             sub = target.replace(
                 mesh_shape=tuple(ctx.sub.shape),
@@ -121,10 +118,10 @@ class _Embed(torch.autograd.Function):
                 sizes=tuple(target.sizes[d] for d in dims),
                 cuts=None if target.cuts is None else tuple(target.cuts[d] for d in dims),
             )
-            return ShardTensor._wrap(local, ctx.sub, sub, stride=ctx.stride), None, None
+            return api.ShardTensor._wrap(local, ctx.sub, sub, stride=ctx.stride), None, None
         # a plain DTensor: the other mesh dims summed, its own keep a pending sum
         dims = sub_mesh_dims(ctx.sub, ctx.mesh)
-        grad = dtensor_grad(
+        grad = functions.dtensor_grad(
             grad, ctx.mesh, ctx.layout, ctx.sub, ctx.placements, ctx.shape, ctx.stride, dims
         )
         return grad, None, None

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from shardlab.runtime import context
 from shardlab.runtime import pool as _pool
 from shardlab.trace.events import Event, Trace
 
@@ -340,8 +341,6 @@ def installed() -> bool:
 
 
 def _default_mesh():
-    from shardlab.runtime import context
-
     return context._CONTEXT.mesh if context._CONTEXT is not None else None
 
 

@@ -1,5 +1,5 @@
 """Double backward (``create_graph=True``: a gradient penalty) through ShardTensor code
-(``shardlab/comm/_once.py``, ``shardlab/tensor/_autograd.py``): exact where the
+(``shardlab/comm/_once.py``, ``shardlab/tensor/functions.py``): exact where the
 backward is differentiable (aten ops, the whole-tensor calls of one rank, parameters
 lifted next to ShardTensors), a clear error on every rank where it is computed on blocks
 (halos, rings, sharded norms and losses): never a silently missing term."""

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
+from shardlab.engine import _common as c
 from shardlab.layout import moves
 from shardlab.layout.elementwise import restrict, target_from
 from shardlab.layout.views import select_dims_layout
 
-from . import _common as c
 from .registry import register
 
 aten = torch.ops.aten

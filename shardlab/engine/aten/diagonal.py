@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
+from shardlab.engine import _common as c
 from shardlab.engine import decisions
 from shardlab.layout import ShardLayout
 
-from . import _common as c
 from .registry import register
 
 aten = torch.ops.aten

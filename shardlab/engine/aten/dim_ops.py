@@ -21,12 +21,12 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.comm import collectives
+from shardlab.engine import _common as c
 from shardlab.engine import decisions
 from shardlab.layout import ShardLayout, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.trace import label
 
-from . import _common as c
 from .registry import register
 
 aten = torch.ops.aten

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _common as c
+from shardlab.comm import traced
+from shardlab.engine import _common as c
 
 aten = torch.ops.aten
 
@@ -27,8 +28,6 @@ def replicate_and_run(func, args, kwargs):
     mesh = c.the_mesh(shards)
     cause = f"whole-tensor fallback for {c.op_name(func)}"
     if mesh.size() != 1:
-        from shardlab.comm import traced
-
         if traced.in_graphs() and traced.cut_by_dynamo(shards, {}):
             # (inside messages_in_graphs(): an op on whole tensors, written in place or
             # read through its strides, met torch's functionalization, which refuses a

@@ -41,10 +41,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial
 
+from shardlab.engine import _common as c
 from shardlab.layout import ShardLayout
 from shardlab.layout.moves import move_cost
 
-from . import _common as c
 from .fallback import replicate_and_run
 from .registry import register
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from . import _common as c
+from shardlab.engine import _common as c
+
 from .foreach import _ALONE, _PER_TENSOR, PLAIN
 
 __all__ = ["aligned"]

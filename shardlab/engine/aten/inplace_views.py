@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from shardlab.tensor.api import ShardTensor
+
 aten = torch.ops.aten
 
 # the in-place view op -> its out-of-place view
@@ -34,8 +36,6 @@ _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.D
 def inplace_view(func, args, kwargs, dispatch):
     """``func(*args, **kwargs)`` (an op of :data:`OUT_OF_PLACE`) on the ShardTensor
     ``args[0]``; ``dispatch``: shardlab's aten dispatch (the view's rule)."""
-    from shardlab.tensor.api import ShardTensor
-
     x = args[0]
     if type(x) is not ShardTensor or any(isinstance(a, torch.Tensor) for a in args[1:]):
         return NotImplemented

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from shardlab.engine import _common as c
 from shardlab.layout.matmul import mm_strategies
 from shardlab.layout.moves import move_cost
 
-from . import _common as c
 from .registry import register
 
 aten = torch.ops.aten

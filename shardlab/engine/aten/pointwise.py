@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial
 
+from shardlab.engine import _common as c
 from shardlab.engine import decisions
 from shardlab.layout.elementwise import restrict, target_from
 from shardlab.layout.moves import move_cost
-
-from . import _common as c
 
 aten = torch.ops.aten
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.comm import collectives
+from shardlab.engine import _common as c
 from shardlab.layout.elementwise import reduce_layout
 from shardlab.trace import label
 
-from . import _common as c
 from .registry import register
 
 aten = torch.ops.aten

@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from shardlab.engine import _common as c
 from shardlab.engine import decisions
 from shardlab.engine.decisions import BLOCKS
 from shardlab.layout import ShardLayout, chunk_sizes, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.layout.views import clamp_index, select_dims_layout
+from shardlab.tensor.api import stride_like
 
-from . import _common as c
 from .registry import register
 from .views import slice_of
 
@@ -170,8 +171,6 @@ def _new(func, args, kwargs):
         and tuple(args[1]) == tuple(x.shape)
         and not any(isinstance(p, Partial) for p in lay.placements)
     ):
-        from shardlab.tensor.api import stride_like
-
         mesh = x.device_mesh
         local = lay.local_shape(c.me(mesh))
         stride = tuple(args[2])  # the global stride asked for; the block's in its order

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from shardlab.engine import _common as c
 from shardlab.engine.decisions import (
     LocalExpand,
     LocalReshape,
@@ -29,7 +30,6 @@ from shardlab.layout.views import (
     view_layout,
 )
 
-from . import _common as c
 from .registry import register
 
 aten = torch.ops.aten

@@ -27,8 +27,8 @@ import dataclasses
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from shardlab.engine import _common as c
 from shardlab.engine import decisions
-from shardlab.engine.aten import _common as c
 from shardlab.layout import ShardLayout
 
 __all__ = ["on_blocks", "whole_arguments"]

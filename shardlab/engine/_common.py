@@ -15,6 +15,7 @@ from shardlab.comm import p2p, traced
 from shardlab.engine import decisions
 from shardlab.layout import ShardLayout
 from shardlab.layout.dtensor import layout_of_dtensor
+from shardlab.tensor import submesh
 
 # the rules read these as c.<name> too (``c.as_shard``, ``c.tree_map``)
 from shardlab.tensor.api import ShardTensor, as_shard, replicate_layout  # noqa: F401
@@ -167,8 +168,6 @@ def written_args(func) -> list[int]:
 def adopt(tree):
     """Plain DTensors in an op's arguments become ShardTensors (chunk sizes are just one
     layout); everything else is left as it is."""
-    from shardlab.tensor import submesh
-
     st = ShardTensor
     meshes = [a.device_mesh for a in tree_leaves(tree) if isinstance(a, DTensor)]
     big = max(meshes, key=lambda m: m.ndim) if meshes else None

@@ -19,7 +19,7 @@ from shardlab.comm._once import passes_no_gradient
 from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
 from shardlab.layout.dtensor import layout_of_dtensor
-from shardlab.tensor.api import ShardTensor, _grad_layout
+from shardlab.tensor import api
 
 __all__ = ["records"]
 
@@ -42,26 +42,26 @@ def _graph(grad) -> bool:
 
 
 @passes_no_gradient
-class _FromLocalAlone(torch.autograd.Function):
-    """:class:`_FromLocal` on a mesh of one rank: no message can be sent, so no fence."""
+class FromLocalAlone(torch.autograd.Function):
+    """:class:`FromLocal` on a mesh of one rank: no message can be sent, so no fence."""
 
     @staticmethod
     def forward(ctx, local, mesh, layout, stride):
         ctx.mesh, ctx.sharding = mesh, layout
-        return ShardTensor._wrap(local.view_as(local), mesh, layout, stride=stride)
+        return api.ShardTensor._wrap(local.view_as(local), mesh, layout, stride=stride)
 
     @staticmethod
     def backward(ctx, grad):
-        return local_of(grad, _grad_layout(ctx.sharding), ctx.mesh), None, None, None
+        return local_of(grad, api.gradient_layout(ctx.sharding), ctx.mesh), None, None, None
 
 
 @fenced
-class _FromLocal(_FromLocalAlone):
+class FromLocal(FromLocalAlone):
     pass
 
 
 @passes_no_gradient
-class _ToLocal(torch.autograd.Function):
+class ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, st, grad_layout):
         ctx.mesh, ctx.sharding = st.device_mesh, grad_layout
@@ -70,45 +70,47 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if _graph(grad):  # differentiable again (create_graph=True)
-            from shardlab.tensor.api import from_layout
-
-            return from_layout(grad, ctx.mesh, ctx.sharding), None
-        return ShardTensor._wrap(grad, ctx.mesh, ctx.sharding), None
+            return api.from_layout(grad, ctx.mesh, ctx.sharding), None
+        return api.ShardTensor._wrap(grad, ctx.mesh, ctx.sharding), None
 
 
 @fenced
 @passes_no_gradient
-class _Redistribute(torch.autograd.Function):
-    """``_Redistribute.apply(st, layout, cause="redistribute")``: differentiable; ``cause``
+class Redistribute(torch.autograd.Function):
+    """``Redistribute.apply(st, layout, cause="redistribute")``: differentiable; ``cause``
     labels the messages (its backward's: "redistribute backward")."""
 
     @staticmethod
     def forward(ctx, st, dst, cause="redistribute"):
         ctx.mesh, ctx.src = st.device_mesh, st._layout
         local = p2p.redistribute_local(st._local_tensor, st._layout, dst, st.device_mesh, cause)
-        return ShardTensor._wrap(local, st.device_mesh, dst)
+        return api.ShardTensor._wrap(local, st.device_mesh, dst)
 
     @staticmethod
     def backward(ctx, grad):
-        target = _grad_layout(ctx.src)
-        if _graph(grad) and isinstance(grad, ShardTensor):  # differentiable again
-            return _Redistribute.apply(grad, target, "redistribute backward"), None, None
-        return ShardTensor._wrap(_local_of(grad, target, ctx.mesh), ctx.mesh, target), None, None
+        target = api.gradient_layout(ctx.src)
+        if _graph(grad) and isinstance(grad, api.ShardTensor):  # differentiable again
+            return Redistribute.apply(grad, target, "redistribute backward"), None, None
+        return (
+            api.ShardTensor._wrap(local_block(grad, target, ctx.mesh), ctx.mesh, target),
+            None,
+            None,
+        )
 
 
 def local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
-    """:func:`_local_of`, differentiable when ``grad`` has a history (a double backward
+    """:func:`local_block`, differentiable when ``grad`` has a history (a double backward
     is being recorded): the moves and the block taken by autograd Functions."""
-    if _graph(grad) and isinstance(grad, ShardTensor):
+    if _graph(grad) and isinstance(grad, api.ShardTensor):
         if grad._layout != layout:
-            grad = _Redistribute.apply(grad, layout, "redistribute backward")
-        return _ToLocal.apply(grad, _grad_layout(layout))
-    return _local_of(grad, layout, mesh)
+            grad = Redistribute.apply(grad, layout, "redistribute backward")
+        return ToLocal.apply(grad, api.gradient_layout(layout))
+    return local_block(grad, layout, mesh)
 
 
-def _local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
+def local_block(grad, layout: ShardLayout, mesh) -> torch.Tensor:
     """This rank's block of ``grad`` in ``layout`` (redistributing if needed)."""
-    if isinstance(grad, ShardTensor):
+    if isinstance(grad, api.ShardTensor):
         return p2p.redistribute_local(
             grad._local_tensor, grad._layout, layout, mesh, cause="redistribute backward"
         )
@@ -131,9 +133,9 @@ def dtensor_grad_local(grad, mesh, layout: ShardLayout, dims=None):
     rows), as torch's own backward leaves it (reduced when torch reduces it:
     ``full_tensor()``, the optimizer's step, FSDP's reduce-scatter). Sends nothing for
     those; sums the other Partial mesh dims; a ``Shard`` the gradient lacks moves back."""
-    target = _grad_layout(layout)
+    target = api.gradient_layout(layout)
     pending = ()
-    if isinstance(grad, ShardTensor) and grad._layout is not None:
+    if isinstance(grad, api.ShardTensor) and grad._layout is not None:
         pending = tuple(
             m
             for m, (p, q) in enumerate(zip(grad._layout.placements, layout.placements))
@@ -145,7 +147,7 @@ def dtensor_grad_local(grad, mesh, layout: ShardLayout, dims=None):
         if pending:
             places = (Partial() if m in pending else p for m, p in enumerate(target.placements))
             target = target.replace(placements=tuple(places))
-    return _local_of(grad, target, mesh), pending
+    return local_block(grad, target, mesh), pending
 
 
 def dtensor_grad(grad, mesh, layout: ShardLayout, on, placements, shape, stride, dims=None):
