@@ -44,6 +44,22 @@ def check_torch_version() -> None:
         )
 
 
+# -- torch.compile (shardlab.comm.traced) ------------------------------------------------
+def traceable() -> bool:
+    """torch 2.13 to 2.15 are the versions tried with the layout in DTensor's flatten format
+    (2.11's format is another, and there a traced parameter lost its gradient): before 2.13
+    every ShardTensor that dynamo rebuilds is a stand-in and each op runs eagerly."""
+    return torch_version() >= (2, 13)
+
+
+def saves_mesh_for_random_ops() -> bool:
+    """torch 2.13-2.14: AOTAutograd saves the mesh (DTensor's opaque flatten attribute) as a
+    tensor for the backward of a checkpointed region holding a random-tagged op (its RNG
+    state is saved for the recomputation), and the first call fails ("expected all
+    tensors_saved_with_vc_check to be Tensors"); fixed in 2.15."""
+    return (2, 13) <= torch_version() < (2, 15)
+
+
 # -- DTensor's spec objects (private; the fields are unchanged 2.11-2.15) ---------------
 _SPECS: dict = {}
 

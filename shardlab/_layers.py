@@ -4,7 +4,7 @@ The class (:mod:`shardlab.tensor`) is the bottom of what a user imports, and it 
 nothing without the engine and the ops above it, which it may not import. So the top
 package (``shardlab/__init__.py``) registers here what completes it, and the class's
 package calls :func:`loaded` once it is defined: the engine and the ops then import it and
-install themselves on it (their tables: ``shardlab.tensor.api.install``).
+install themselves on it (their tables: ``shardlab.tensor.entry.install``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import functools
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 
+from shardlab import _compat
 from shardlab._tree import tree_leaves
 from shardlab.comm import collectives
 from shardlab.layout.views import clamp_index
@@ -57,11 +58,7 @@ __all__ = [
 
 tracing = _callback  # ``tracing() is not None``: dynamo's frame callback is installed
 
-# torch 2.13 and 2.15 are the versions tried with the layout in the flatten format (2.11's
-# format is another, and there a traced parameter lost its gradient): before 2.13, every
-# ShardTensor that dynamo rebuilds is a stand-in and each op runs eagerly (:func:`check`)
-_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-TRACEABLE = _VERSION >= (2, 13)
+TRACEABLE = _compat.traceable()  # before 2.13 each op runs eagerly (:func:`check`)
 
 
 def graph_break(what: str):
@@ -552,11 +549,7 @@ def message_traced(t) -> None:
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)  # dynamo's symbolic scalars
 
-# torch 2.13-2.14: AOTAutograd saves the mesh (DTensor's opaque flatten attribute) as a
-# tensor for the backward of a checkpointed region holding a random-tagged op (its RNG
-# state is saved for the recomputation), and the first call fails ("expected all
-# tensors_saved_with_vc_check to be Tensors"); fixed in 2.15. Such an op runs eagerly there.
-_SAVES_MESH = (2, 13) <= _VERSION < (2, 15)
+_SAVES_MESH = _compat.saves_mesh_for_random_ops()  # 2.13-2.14: such an op runs eagerly
 
 
 _RANDOM_CALLS = ("scaled_dot_product_attention", "multi_head_attention_forward")

@@ -2,7 +2,7 @@
 
 Layer 5 of 6 (``layout`` → ``comm`` → ``tensor`` → **engine** → ``ops`` → ``patch``).
 It may import :mod:`shardlab.tensor` and everything below it; nothing above it. It
-installs itself on the class when imported (:func:`shardlab.tensor.api.install`), as
+installs itself on the class when imported (:func:`shardlab.tensor.entry.install`), as
 DTensor installs its dispatcher.
 
 - :mod:`.dispatch`: the one entry from ``__torch_dispatch__``;
@@ -14,7 +14,7 @@ DTensor installs its dispatcher.
 
 from shardlab import _layers
 from shardlab.engine import dispatch, lift, nograd
-from shardlab.tensor import api
+from shardlab.tensor import entry
 
-api.install(dispatch=dispatch.dispatch, replay=nograd.call, lift=lift._lift_trainable)
+entry.install(dispatch=dispatch.dispatch, replay=nograd.call, lift=lift._lift_trainable)
 _layers.loaded(__name__)  # the ops, if the engine was imported first (shardlab/__init__.py)

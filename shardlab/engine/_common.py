@@ -18,7 +18,8 @@ from shardlab.layout.dtensor import layout_of_dtensor
 from shardlab.tensor import submesh
 
 # the rules read these as c.<name> too (``c.as_shard``, ``c.tree_map``)
-from shardlab.tensor.api import ShardTensor, as_shard, replicate_layout  # noqa: F401
+from shardlab.tensor.api import ShardTensor  # noqa: F401
+from shardlab.tensor.create import as_shard, replicate_layout  # noqa: F401
 
 aten = torch.ops.aten
 

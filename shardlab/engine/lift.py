@@ -20,8 +20,9 @@ from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
 from shardlab.tensor import grad_sum, submesh
 from shardlab.tensor._checks import _check_device
-from shardlab.tensor.api import _SCALARS, ShardTensor
+from shardlab.tensor.api import ShardTensor
 from shardlab.tensor.dtensors import from_dtensor
+from shardlab.tensor.entry import SCALAR_TYPES as _SCALARS
 from shardlab.tensor.functions import local_of
 
 __all__ = ["lift_trainable"]

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from shardlab import _compat
 from shardlab.engine import decisions
-from shardlab.tensor import api
+from shardlab.tensor import entry
 from shardlab.tensor.api import ShardTensor
 
 __all__ = ["PASS_THROUGH", "TABLE", "call", "seen"]
@@ -147,7 +147,7 @@ def _scalar(key: list, v) -> bool:
 
 _END = object()  # in a key: the end of a list
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
-_NEVER = api.NEVER_REPLAYED  # functions never learnt (asked first: no key built for them)
+_NEVER = entry.NEVER_REPLAYED  # functions never learnt (asked first: no key built for them)
 
 
 def _never(func) -> None:

@@ -5,7 +5,9 @@
 * ``conv``          halo plans for a sliding-window op along one sharded dim
 * ``conv_nd``       the same on several sharded dims (product of 1-D plans)
 
-Nothing here communicates: these are the plans the ops and the figures follow.
+Nothing here communicates: these are the plans the ops and the figures follow. Layer 0
+(**layout** → ``comm`` → ``tensor`` → ``engine`` → ``ops`` → ``patch``): it imports nothing
+of shardlab but :mod:`shardlab._compat`; every layer above may import it.
 """
 
 from .conv import (

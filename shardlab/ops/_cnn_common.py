@@ -139,7 +139,7 @@ def rewrap(y, input, new_sizes: dict[int, list[int]], shape):
     """``y`` (this rank's block) as a ShardTensor laid out like ``input``; mesh dim m
     gets ``new_sizes[m]`` if given, else the input's sizes (batch / channel dims)."""
     from shardlab.tensor import ShardTensor
-    from shardlab.tensor.api import from_layout
+    from shardlab.tensor.create import from_layout
 
     layout = input._layout
     if not new_sizes and tuple(shape) == layout.global_shape:  # laid out as the input

@@ -93,7 +93,8 @@ def whole_call(name, original, args, kwargs):
     layout = getattr(args[0], "_layout", None) if args else None
     if layout is not None and not layout.is_whole():
         return NotImplemented  # the common sharded call: one cached answer
-    from shardlab.tensor.api import ShardTensor, from_layout
+    from shardlab.tensor.api import ShardTensor
+    from shardlab.tensor.create import from_layout
 
     only_if = _ONLY_IF.get(name)
     if only_if is not None and not only_if(args, kwargs):
@@ -161,7 +162,8 @@ class _Blocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from shardlab.tensor.api import ShardTensor, from_layout
+        from shardlab.tensor.api import ShardTensor
+        from shardlab.tensor.create import from_layout
 
         if records(grads):  # a double backward is recorded (create_graph=True)
             return tuple(from_layout(g, m, lay) for g, (m, lay) in zip(grads, ctx.how))

@@ -65,6 +65,7 @@ from torch.distributed.tensor import Shard
 from shardlab.comm.halo import peers_along
 from shardlab.comm.traced import cpu_numbers
 from shardlab.layout import chunk_sizes, offsets
+from shardlab.layout.strides import stride_like
 from shardlab.ops import _ring_kernels as kernels
 from shardlab.ops._attn_args import (
     broadcast,
@@ -82,7 +83,7 @@ from shardlab.ops._attn_dropout import AttnDropout, check_p, lead_index
 from shardlab.ops._counter import draw_seed
 from shardlab.ops._ring import RingAttention, RingPlan
 from shardlab.ops.registry import register
-from shardlab.tensor.api import build_sizes, stride_like
+from shardlab.tensor.api import build_sizes
 
 __all__ = [
     "balance",

@@ -65,7 +65,7 @@ from shardlab.engine._common import replicate_layout
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import cut_once, groups_over
 from shardlab.ops.registry import register
-from shardlab.tensor.api import from_layout
+from shardlab.tensor.create import from_layout
 from shardlab.trace import label
 
 __all__ = ["cross_entropy"]

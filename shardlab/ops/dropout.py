@@ -79,7 +79,7 @@ def _rows_and_cols(input, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 @register("dropout", row_wise=True)
 def dropout(input, p=0.5, training=True, inplace=False):
-    from shardlab.tensor.api import from_layout
+    from shardlab.tensor.create import from_layout
 
     if p < 0.0 or p > 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")

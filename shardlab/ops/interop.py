@@ -90,3 +90,19 @@ def prepare(args, kwargs, name: str, keep_strided: bool = False):
         return a
 
     return tree_map(conv, tuple(args)), tree_map(conv, dict(kwargs))
+
+
+def _known_to_libraries() -> None:
+    """Libraries that pick a backend by the module a tensor's class comes from
+    (``type(x).__module__.split(".")[0]``: opt_einsum, and tensorly and neuraloperator's
+    FNO through it) read ``"shardlab"`` for a ShardTensor; they are told it is torch's.
+    torch imports opt_einsum with itself when it is installed, so it is there now."""
+    import sys
+
+    dispatch = sys.modules.get("opt_einsum.backends.dispatch")
+    aliases = getattr(dispatch, "_aliases", None)
+    if isinstance(aliases, dict) and "torch" in aliases:
+        aliases.setdefault("shardlab", aliases["torch"])
+
+
+_known_to_libraries()

@@ -67,7 +67,7 @@ def out_layout(layout, out_features: int):
 @register("linear", raw=True)  # what it does not take goes to torch as it came
 def linear(input, weight, bias=None):
     from shardlab.tensor import ShardTensor
-    from shardlab.tensor.api import from_layout
+    from shardlab.tensor.create import from_layout
     from shardlab.tensor.functions import ToLocal
 
     layout = getattr(input, "_layout", None)

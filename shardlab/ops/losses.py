@@ -35,7 +35,7 @@ from torch.nn import _reduction
 
 from shardlab.ops import registry
 from shardlab.ops.autocast import autocast_call
-from shardlab.tensor import api
+from shardlab.tensor import entry
 
 __all__ = ["LOSSES", "reduce_loss"]
 
@@ -112,4 +112,4 @@ def _exact_mean(func, args, kwargs):
     return autocast_call(func.__name__, func, loss, args, kwargs, device)
 
 
-api.install(calls=dict.fromkeys([*LOSSES, F.cross_entropy], _exact_mean))
+entry.install(calls=dict.fromkeys([*LOSSES, F.cross_entropy], _exact_mean))

@@ -216,7 +216,7 @@ def instance_norm(
 
 @register("layer_norm", row_wise=True)
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-    from shardlab.tensor.api import from_layout
+    from shardlab.tensor.create import from_layout
 
     k = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
     gshape = input._layout.global_shape  # (read here, not through __torch_function__)

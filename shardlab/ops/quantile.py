@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate
 
-from shardlab.tensor import api
+from shardlab.tensor import entry
 from shardlab.tensor.api import ShardTensor
 from shardlab.tensor.create import distribute
 
@@ -48,4 +48,4 @@ def quantile(func, args, kwargs):
     return distribute(out, mesh, [Replicate()] * mesh.ndim)  # 2.
 
 
-api.install(calls=dict.fromkeys(QUANTILES, quantile))  # a sort of the whole tensor
+entry.install(calls=dict.fromkeys(QUANTILES, quantile))  # a sort of the whole tensor

@@ -24,8 +24,9 @@ from shardlab.layout import ShardLayout, conv_plan
 from shardlab.ops._cnn_common import cut_once
 from shardlab.ops.conv import _tuple
 from shardlab.ops.registry import register
-from shardlab.tensor import api
-from shardlab.tensor.api import ShardTensor, from_layout
+from shardlab.tensor import entry
+from shardlab.tensor.api import ShardTensor
+from shardlab.tensor.create import from_layout
 
 
 def _halo(x, input, dim, k, s, d, pads, cause):
@@ -136,4 +137,4 @@ def _unfold_call(func, args, kwargs):
     return tensor_unfold(*args, **kwargs)
 
 
-api.install(calls={torch.Tensor.unfold: _unfold_call})
+entry.install(calls={torch.Tensor.unfold: _unfold_call})

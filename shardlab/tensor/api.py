@@ -24,7 +24,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from shardlab import _compat
 from shardlab.comm import p2p, traced
 from shardlab.layout import ShardLayout, format_sizes
-from shardlab.tensor import backward, checkpoint, compiled_grads, dtensors, functions, submesh
+from shardlab.layout.strides import contiguous_stride
+from shardlab.tensor import (
+    checkpoint,
+    compiled_grads,
+    dtensors,
+    entry,
+    functions,
+    submesh,
+)
 from shardlab.tensor._checks import (
     _check_device,
     _gather_shapes,
@@ -35,34 +43,6 @@ from shardlab.tensor._checks import (
 )
 
 __all__ = ["ShardTensor"]
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
-def stride_like(template: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
-    """Dense strides for ``shape`` in the dim order of the strides ``template`` (a global
-    tensor's, the same on every rank): how torch lays out the result of an op that
-    follows its input's layout (SDPA's output follows the query's)."""
-    if len(template) != len(shape):
-        return _contiguous_stride(shape)
-    order = sorted(range(len(shape)), key=lambda d: (-template[d], d))  # outer -> inner
-    stride, acc = [0] * len(shape), 1
-    for d in reversed(order):
-        stride[d] = acc
-        acc *= max(shape[d], 1)
-    return tuple(stride)
-
-
-def gradient_layout(layout: ShardLayout) -> ShardLayout:
-    """Gradients of a Partial value are Replicate (d sum / d part = 1 on every rank)."""
-    places = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
-    return layout.replace(placements=places)
 
 
 class ShardTensor(DTensor):
@@ -97,7 +77,7 @@ class ShardTensor(DTensor):
             mesh,
             traced.placements(layout),
             layout.global_shape,
-            _contiguous_stride(layout.global_shape) if stride is None else tuple(stride),
+            contiguous_stride(layout.global_shape) if stride is None else tuple(stride),
             local.dtype,
         )
         out = _compat.new_dtensor(ShardTensor, local.detach(), spec, requires_grad)
@@ -133,7 +113,7 @@ class ShardTensor(DTensor):
         slots = None
         if isinstance(state, tuple):
             state, slots = state
-        state = {k: v for k, v in (state or {}).items() if k not in _NOTES}
+        state = {k: v for k, v in (state or {}).items() if k not in NOTES}
         return state if slots is None else (state, slots)
 
     def _clear_non_serializable_cached_data(self):
@@ -145,49 +125,24 @@ class ShardTensor(DTensor):
         traced.prepare()  # dynamo (or AOTAutograd) is looking at a ShardTensor
         node = _CURRENT_NODE()  # a compiled backward reading its gradient (a tangent):
         if node is not None and type(node).__name__ == "CompiledFunctionBackward":
-            compiled_grads.route(
-                node
-            )  # its parameters' partial gradients: to the end-of-backward sum
+            compiled_grads.route(node)  # its parameters' partial gradients: summed at the end
         return DTensor.__tensor_flatten__(self)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        layout, local = traced.layout_of(flatten_spec), inner_tensors["_local_tensor"]
-        if (
-            layout is not None
-            and type(local) is torch.Tensor  # a compiled graph's output, a real block
-            and tuple(outer_size) == layout.global_shape
-        ):  # the spec kept per layout, as every op makes one (DTensor's: a new spec each)
-            return ShardTensor._wrap(
-                local, inner_tensors["device_mesh"], layout, flatten_spec[3], outer_stride
-            )
-        d = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
-        out = ShardTensor(d._local_tensor, d._spec, requires_grad=d.requires_grad)
-        out._layout = traced.layout_of(flatten_spec)
-        return out
+        return compiled_grads.unflatten(inner_tensors, flatten_spec, outer_size, outer_stride)
 
     def _stable_hash_for_caching(self) -> str:
-        # AOTAutograd's on-disk cache: DTensor's key (mesh, placements, global shape) is
-        # the same on every rank, so a rank would load a graph built for another rank's
-        # block; the key also holds the layout's sizes and this rank's block
-        import hashlib
-
-        local, base = self._local_tensor, getattr(DTensor, "_stable_hash_for_caching", None)
-        data = (
-            base(self) if base is not None else repr(self._spec),
-            repr(self._layout),
-            p2p.my_coord(self.device_mesh),
-            tuple(local.shape),
-            local.stride(),
-        )
-        return hashlib.blake2b(repr(data).encode(), digest_size=16).hexdigest()
+        return compiled_grads.stable_hash(self)
 
     def __coerce_tangent_metadata__(self):
         # AOTAutograd: a gradient may not be Partial (DTensor's rule, with our sizes)
         if self._layout is None or not any(isinstance(p, Partial) for p in self._layout.placements):
             return self
         with traced.guessing():
-            return functions.Redistribute.apply(self, gradient_layout(self._layout), "tangent")
+            return functions.Redistribute.apply(
+                self, functions.gradient_layout(self._layout), "tangent"
+            )
 
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
         # AOTAutograd: a runtime gradient in the layout the compiled backward was built for
@@ -423,257 +378,16 @@ class ShardTensor(DTensor):
             grad_placements=grad_placements
         )
 
-    @classmethod
-    @traced.entry
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if traced.tracing() is not None:  # an eager region under torch.compile
-            return _EAGER_TF[0](cls, func, types, args, kwargs)
-        compiling = traced.COMPILED and torch.compiler.is_compiling()
-        if func is _TOLIST and type(args[0]) is ShardTensor and not compiling:
-            # torch refuses .tolist() for every subclass (DTensor too): the global tensor's
-            # values, on every rank (a collective when it is cut, as .item() of a Partial)
-            return args[0].detach().full_tensor().tolist()
-        if type(func) is _GETTER and not compiling:
-            if func.__name__ == "__get__":  # .grad, .dtype, .shape ...: read as they are
-                return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
-            if func.__self__ is _DATA:  # ``p.data = new``
-                return _set_data(func, types, args)
-        if compiling and func not in _OWN_CALLS:
-            if traced.one_rank(args, kwargs):  # traced: nothing to lift (see traced.py)
-                pooled = traced.pooled_mean(func, args, kwargs or _NO_KWARGS)
-                if pooled is not None:
-                    return pooled
-                return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
-        if func not in _OWN_CALLS and (not kwargs or _scalar_kwargs(kwargs)):
-            # the common case in one pass: ShardTensors of one mesh (no stand-in) and
-            # scalars; nothing to lift, nothing of ours above aten
-            mesh = _one_mesh(args)
-            if mesh is not None and mesh is not _MIXED:
-                if not compiling and func not in NEVER_REPLAYED:  # nothing for autograd to
-                    # record: on the blocks (views, Python functions: never, asked first)
-                    out = _REPLAY[0](func, types, args, kwargs or _NO_KWARGS)
-                    if out is not NotImplemented:
-                        return out
-                return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
-        traced.check(func, args, kwargs)  # dynamo's stand-ins: a graph break
-        kwargs = kwargs or {}
-        run_backward = _BACKWARDS.get(func)  # with __torch_function__ on (recomputation),
-        if run_backward is not None:  # nothing lifted
-            return run_backward(*args, **kwargs)
-        if not (compiling and traced.TRACEABLE):
-            args, kwargs = _LIFT[0](args, kwargs)
-        elif func in _OWN_CALLS and traced.cut_by_dynamo(args, kwargs):  # (they send)
-            traced.graph_break(f"{func.__name__} on ShardTensors cut over several ranks")
-        # (traced: parameters taken as they are; their gradients are summed after the
-        # backward: shardlab.tensor.compiled_grads.route)
-        own = _OWN_CALLS.get(func)  # losses (exact means), quantiles, Tensor.unfold (halos)
-        if own is not None:
-            out = own(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+    # -- the two doors of every op (shardlab.tensor.entry) -------------------------------
+    __torch_function__ = classmethod(entry.torch_function)
+    __torch_dispatch__ = classmethod(entry.torch_dispatch)
 
-    @classmethod
-    @traced.entry
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if traced.tracing() is not None:
-            if not traced.faked(args):  # an eager region under torch.compile
-                return _EAGER_TD[0](cls, func, types, args, kwargs)
-        elif traced.COMPILED and torch.compiler.is_compiling():  # dynamo's fake blocks
-            if traced.check_ranks(func, args, kwargs):  # cut over ranks: traced where
-                with traced.sends_break():  # nothing is sent
-                    return _DISPATCH[0](func, args, kwargs or _NO_KWARGS)
-        if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
-            return _normal_view(func, args, kwargs or _NO_KWARGS)
-        return _DISPATCH[0](func, args, kwargs or _NO_KWARGS)  # checks stand-ins
-
-
-_DATA = torch._C.TensorBase.__dict__["data"]
-
-
-def _set_data(func, types, args):
-    """``p.data = new`` (``vector_to_parameters``, older training code): torch swaps the
-    tensor's metadata only, which left a ShardTensor's block and layout as they were (a
-    silent no-op; DTensor's too). ``new`` must be a ShardTensor on ``p``'s mesh: ``p`` takes
-    its block (shared, as torch shares storage), layout and global shape, dtype, strides.
-    (A plain ``p`` never comes here: torch asks ``p`` alone for ``__torch_function__``.)"""
-    p, new = args
-    if type(p) is not ShardTensor:
-        return _disabled_torch_function(func, types, args, _NO_KWARGS)
-    if not isinstance(new, ShardTensor) or new.device_mesh != p.device_mesh:
-        what = (
-            type(new).__name__
-            if not isinstance(new, ShardTensor)
-            else "a ShardTensor on another mesh"
-        )
-        raise RuntimeError(
-            f"p.data = new, with p a ShardTensor: new must be a ShardTensor on p's mesh, got "
-            f"{what}; lay a whole tensor out with shardlab.distribute(new, p.device_mesh, "
-            "p.placements), or write it in place with p.copy_(new) under torch.no_grad()"
-        )
-    _disabled_torch_function(func, types, args, _NO_KWARGS)  # the wrapper's sizes, dtype
-    p._local_tensor, p._spec, p._layout = new._local_tensor, new._spec, new._layout
-    for note in (*_NOTES, "_whole_to_local"):
-        p.__dict__.pop(note, None)
-    for note in ("_writeback", "_whole_to_local"):  # (a copied view: writes reach its base)
-        if note in new.__dict__:
-            setattr(p, note, new.__dict__[note])
-    return None
-
-
-_INFERENCE_MODE = torch.is_inference_mode_enabled
-_CURRENT_NODE = torch._C._current_autograd_node
-_GETTER = type(torch.Tensor.grad.__get__)  # a property of torch's tensors, read
-_TOLIST = torch.Tensor.tolist
-_TRACKED: dict = {}  # aten view op -> does autograd's view bookkeeping see its result?
-
-
-def _tracked_view(func) -> bool:
-    """A view op with an ADInplaceOrView kernel (``view``, ``transpose``, ``detach``):
-    its result is made an alias of its input (a composite one, ``flatten``, is not)."""
-    hit = _TRACKED.get(func)
-    if hit is None:
-        hit = _TRACKED[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "ADInplaceOrView"
-        )
-    return hit
-
-
-def _normal_view(func, args, kwargs):
-    """A view op inside ``torch.inference_mode()`` of a ShardTensor made outside it: torch
-    gives a normal tensor there (a view sharing its base's version counter); made in the
-    mode, the result would be an inference tensor, which autograd's view bookkeeping
-    refuses ("Cannot set version_counter for inference tensor": DTensor's case)."""
-    dispatch = _DISPATCH[0]
-    with torch._C.DisableTorchFunctionSubclass():
-        inference = args[0].is_inference()
-    if inference:
-        return dispatch(func, args, kwargs)
-    with torch.inference_mode(False):
-        return dispatch(func, args, kwargs)
-
-
-# the two entry points again, as traced.eager makes them for a call under dynamo
-_EAGER_TF = [traced.eager(ShardTensor.__torch_function__.__func__)]
-_EAGER_TD = [traced.eager(ShardTensor.__torch_dispatch__.__func__)]
 
 # ``torch.load`` (``weights_only=True``, its default) takes a checkpoint holding ShardTensors
 # as it takes DTensors: the classes a pickled ShardTensor names (torch lists DTensor's own)
 torch.serialization.add_safe_globals([ShardTensor, ShardLayout, traced.Placements])
 
+NOTES = {"_decided", "_writeback"}  # per-process notes a ShardTensor may carry
+_CURRENT_NODE = torch._C._current_autograd_node
 
-def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> ShardTensor:
-    """This rank's block ``local`` as a ShardTensor of any ``layout`` (strided dims too),
-    differentiably: the sharded ops build their results with it."""
-    if layout.mesh_shape in _ONE_RANK:  # the block is the tensor; nothing to fence
-        if tuple(local.shape) == layout.global_shape:
-            return functions.FromLocalAlone.apply(local, mesh, layout, stride)
-    want = layout.local_shape(p2p.my_coord(mesh))
-    if tuple(local.shape) != want:
-        raise RuntimeError(
-            f"shardlab internal error: a local block of shape {tuple(local.shape)} does not fit "
-            f"{layout} (this rank needs {want}); please report it"
-        )
-    return functions.FromLocal.apply(local, mesh, layout, stride)
-
-
-def replicate_layout(shape, mesh) -> ShardLayout:
-    return ShardLayout.build(tuple(shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
-
-
-def as_shard(t: torch.Tensor, mesh):
-    """A plain tensor next to ShardTensors: the same on every rank (Replicate)."""
-    return ShardTensor._wrap(t, mesh, replicate_layout(t.shape, mesh))
-
-
-_NOTES = {"_decided", "_writeback"}  # per-process notes a ShardTensor may carry
-_ONE_RANK = {(1,), (1, 1)}  # mesh shapes of one rank (shardlab's meshes have 1 or 2 dims)
-
-
-def _dispatch_rule(cls, func, types, args=(), kwargs=None):
-    """torch 2.11 routes ShardTensor ops here (see ``_compat.route_dispatch``)."""
-    if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
-        return _normal_view(func, args, kwargs or _NO_KWARGS)
-    return _DISPATCH[0](func, args, kwargs or {})
-
-
-_compat.route_dispatch(ShardTensor, _dispatch_rule)
-
-
-_SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
-_NO_KWARGS: dict = {}
-
-
-def _one_mesh(args, mesh=None):
-    """The mesh when ``args`` are ShardTensors of one mesh (no traced stand-in), scalars
-    and lists or tuples of those (cat's, a view's sizes); None when there is no
-    ShardTensor; :data:`_MIXED` when anything else is there."""
-    for a in args:
-        t = type(a)
-        if t is ShardTensor:
-            if a._layout is None or (mesh is not None and a._spec.mesh is not mesh):
-                return _MIXED
-            mesh = a._spec.mesh
-        elif t is list or t is tuple:
-            mesh = _one_mesh(a, mesh)
-            if mesh is _MIXED:
-                return _MIXED
-        elif t not in _SCALARS:
-            return _MIXED
-    return mesh
-
-
-def _scalar_kwargs(kwargs) -> bool:
-    """Only scalars among the keyword arguments (``scale=``, ``dim=``, ``dtype=`` …)."""
-    for v in kwargs.values():
-        if type(v) not in _SCALARS:
-            return False
-    return True
-
-
-_MIXED = object()
-_disabled_torch_function = torch._C._disabled_torch_function_impl
-# what ShardTensor.__torch_function__ does itself rather than pass on to aten
-_BACKWARDS = {
-    torch.Tensor.backward: backward.tensor_backward,
-    torch.autograd.backward: backward.backward,
-    torch.autograd.grad: backward.grad,
-}
-
-# -- tables the layers above fill (they import this module; it imports none of them) ------
-# shardlab.engine installs its dispatcher, replay and lifting when it is imported, as
-# DTensor installs its op dispatcher on its class; shardlab.ops adds the calls it takes
-# over at the Python entry. shardlab/__init__.py imports both once the class is loaded.
-_DISPATCH: list = []  # [dispatch(func, args, kwargs)]: every aten op (shardlab.engine.dispatch)
-_REPLAY: list = []  # [call(func, types, args, kwargs)]: no autograd to record (engine.nograd)
-_LIFT: list = []  # [lift(args, kwargs)]: plain parameters and DTensors adopted (engine.lift)
-NEVER_REPLAYED: set = set()  # functions the replay never learns (engine.nograd adds them)
-# torch function -> handler(func, args, kwargs), run above aten (NotImplemented: go on);
-# the backwards are called as they are, before anything is lifted
-_OWN_CALLS: dict = dict.fromkeys(_BACKWARDS)
-
-
-def install(*, dispatch=None, replay=None, lift=None, calls=None) -> None:
-    """What a layer above gives the class: the aten ``dispatch``, the no-grad ``replay``,
-    the ``lift`` of plain arguments (shardlab.engine), ``calls`` taken over at
-    ``__torch_function__`` (shardlab.ops: ``{F.mse_loss: handler, ...}``)."""
-    for table, fn in ((_DISPATCH, dispatch), (_REPLAY, replay), (_LIFT, lift)):
-        if fn is not None:
-            table[:] = [fn]
-    _OWN_CALLS.update(calls or {})
-
-
-def _known_to_libraries() -> None:
-    """Libraries that pick a backend by the module a tensor's class comes from
-    (``type(x).__module__.split(".")[0]``: opt_einsum, and tensorly and neuraloperator's
-    FNO through it) read ``"shardlab"`` for a ShardTensor; they are told it is torch's.
-    torch imports opt_einsum with itself when it is installed, so it is there now."""
-    import sys
-
-    dispatch = sys.modules.get("opt_einsum.backends.dispatch")
-    aliases = getattr(dispatch, "_aliases", None)
-    if isinstance(aliases, dict) and "torch" in aliases:
-        aliases.setdefault("shardlab", aliases["torch"])
-
-
-_known_to_libraries()
+_compat.route_dispatch(ShardTensor, entry.dispatch_rule)

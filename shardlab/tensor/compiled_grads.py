@@ -1,6 +1,7 @@
-"""Gradients around compiled code, fixed where AOTAutograd's guesses differ from eager.
+"""A ShardTensor around compiled code: its flatten format and cache key (:func:`unflatten`,
+:func:`stable_hash`), and its gradients, fixed where AOTAutograd's guesses differ from eager.
 
-A backward started from a ShardTensor (``loss.backward()``, :mod:`shardlab.comm.recompute`)
+A backward started from a ShardTensor (``loss.backward()``, :mod:`shardlab.tensor.backward`)
 passes here when something was compiled in this process (``traced.COMPILED``):
 
 1. before it, :func:`zero_gradients`: a compiled function's ShardTensor output that gets no
@@ -19,11 +20,13 @@ the plain parameters it took to the end-of-backward sum (:mod:`shardlab.tensor.g
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from shardlab.comm import traced
-from shardlab.tensor import api, grad_sum
+from shardlab.comm import p2p, traced
+from shardlab.tensor import api, create, grad_sum
 
 __all__ = ["plain_gradients", "route", "zero_gradients"]
 
@@ -86,7 +89,7 @@ def _sharded_outputs(node, meta):
 
 
 def _zeros(shape, dtype, device, mesh):
-    return api.as_shard(torch.zeros(shape, dtype=dtype, device=device), mesh)  # Replicate
+    return create.as_shard(torch.zeros(shape, dtype=dtype, device=device), mesh)  # Replicate
 
 
 def plain_gradients(leaves) -> None:
@@ -137,3 +140,36 @@ def _route_hook(node, grad_inputs, grad_outputs):
         else:
             out[i] = g.full_tensor()  # summed now (a plain tensor made before the graph)
     return None if out is None else tuple(out)
+
+
+# -- the flatten format and the cache key (ShardTensor's hooks) ---------------------------
+def unflatten(inner_tensors, flatten_spec, outer_size, outer_stride):
+    """``ShardTensor.__tensor_unflatten__``: the spec kept per layout, as every op makes one
+    (DTensor's: a new spec each); a stand-in (no layout) while dynamo traces."""
+    layout, local = traced.layout_of(flatten_spec), inner_tensors["_local_tensor"]
+    st = api.ShardTensor
+    if (
+        layout is not None
+        and type(local) is torch.Tensor  # a compiled graph's output, a real block
+        and tuple(outer_size) == layout.global_shape
+    ):
+        return st._wrap(local, inner_tensors["device_mesh"], layout, flatten_spec[3], outer_stride)
+    d = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
+    out = st(d._local_tensor, d._spec, requires_grad=d.requires_grad)
+    out._layout = traced.layout_of(flatten_spec)
+    return out
+
+
+def stable_hash(st) -> str:
+    """AOTAutograd's on-disk cache key: DTensor's (mesh, placements, global shape) is the
+    same on every rank, so a rank would load a graph built for another rank's block; the
+    key also holds the layout's sizes and this rank's block."""
+    local, base = st._local_tensor, getattr(DTensor, "_stable_hash_for_caching", None)
+    data = (
+        base(st) if base is not None else repr(st._spec),
+        repr(st._layout),
+        p2p.my_coord(st.device_mesh),
+        tuple(local.shape),
+        local.stride(),
+    )
+    return hashlib.blake2b(repr(data).encode(), digest_size=16).hexdigest()

@@ -12,7 +12,7 @@ from shardlab.comm import p2p, traced
 from shardlab.comm._once import first_order, passes_no_gradient
 from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
-from shardlab.tensor import api
+from shardlab.tensor import api, functions
 from shardlab.tensor._checks import _check_device, _mesh, _placements
 from shardlab.tensor.functions import local_of
 from shardlab.trace import label
@@ -89,7 +89,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     @first_order("scatter_tensor")
     def backward(ctx, grad):
-        local = local_of(grad, api.gradient_layout(ctx.sharding), ctx.mesh)
+        local = local_of(grad, functions.gradient_layout(ctx.sharding), ctx.mesh)
         with label("scatter_tensor backward"):
             full = _gather_blocks(local, ctx.src, ctx.mesh, ctx.sharding)
         return (
@@ -197,3 +197,30 @@ class _Distribute(torch.autograd.Function):
             [Replicate()] * len(ctx.sharding.mesh_shape),
         )
         return local_of(grad, replicate, ctx.mesh), None, None
+
+
+def from_layout(local: torch.Tensor, mesh, layout: ShardLayout, stride=None) -> api.ShardTensor:
+    """This rank's block ``local`` as a ShardTensor of any ``layout`` (strided dims too),
+    differentiably: the sharded ops build their results with it."""
+    if layout.mesh_shape in _ONE_RANK:  # the block is the tensor; nothing to fence
+        if tuple(local.shape) == layout.global_shape:
+            return functions.FromLocalAlone.apply(local, mesh, layout, stride)
+    want = layout.local_shape(p2p.my_coord(mesh))
+    if tuple(local.shape) != want:
+        raise RuntimeError(
+            f"shardlab internal error: a local block of shape {tuple(local.shape)} does not fit "
+            f"{layout} (this rank needs {want}); please report it"
+        )
+    return functions.FromLocal.apply(local, mesh, layout, stride)
+
+
+def replicate_layout(shape, mesh) -> ShardLayout:
+    return ShardLayout.build(tuple(shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
+
+
+def as_shard(t: torch.Tensor, mesh):
+    """A plain tensor next to ShardTensors: the same on every rank (Replicate)."""
+    return api.ShardTensor._wrap(t, mesh, replicate_layout(t.shape, mesh))
+
+
+_ONE_RANK = {(1,), (1, 1)}  # mesh shapes of one rank (shardlab's meshes have 1 or 2 dims)

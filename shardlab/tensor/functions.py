@@ -19,7 +19,7 @@ from shardlab.comm._once import passes_no_gradient
 from shardlab.comm.recompute import fenced
 from shardlab.layout import ShardLayout
 from shardlab.layout.dtensor import layout_of_dtensor
-from shardlab.tensor import api
+from shardlab.tensor import api, create
 
 __all__ = ["records"]
 
@@ -52,7 +52,7 @@ class FromLocalAlone(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return local_of(grad, api.gradient_layout(ctx.sharding), ctx.mesh), None, None, None
+        return local_of(grad, gradient_layout(ctx.sharding), ctx.mesh), None, None, None
 
 
 @fenced
@@ -70,7 +70,7 @@ class ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if _graph(grad):  # differentiable again (create_graph=True)
-            return api.from_layout(grad, ctx.mesh, ctx.sharding), None
+            return create.from_layout(grad, ctx.mesh, ctx.sharding), None
         return api.ShardTensor._wrap(grad, ctx.mesh, ctx.sharding), None
 
 
@@ -88,7 +88,7 @@ class Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        target = api.gradient_layout(ctx.src)
+        target = gradient_layout(ctx.src)
         if _graph(grad) and isinstance(grad, api.ShardTensor):  # differentiable again
             return Redistribute.apply(grad, target, "redistribute backward"), None, None
         return (
@@ -104,7 +104,7 @@ def local_of(grad, layout: ShardLayout, mesh) -> torch.Tensor:
     if _graph(grad) and isinstance(grad, api.ShardTensor):
         if grad._layout != layout:
             grad = Redistribute.apply(grad, layout, "redistribute backward")
-        return ToLocal.apply(grad, api.gradient_layout(layout))
+        return ToLocal.apply(grad, gradient_layout(layout))
     return local_block(grad, layout, mesh)
 
 
@@ -133,7 +133,7 @@ def dtensor_grad_local(grad, mesh, layout: ShardLayout, dims=None):
     rows), as torch's own backward leaves it (reduced when torch reduces it:
     ``full_tensor()``, the optimizer's step, FSDP's reduce-scatter). Sends nothing for
     those; sums the other Partial mesh dims; a ``Shard`` the gradient lacks moves back."""
-    target = api.gradient_layout(layout)
+    target = gradient_layout(layout)
     pending = ()
     if isinstance(grad, api.ShardTensor) and grad._layout is not None:
         pending = tuple(
@@ -162,3 +162,9 @@ def dtensor_grad(grad, mesh, layout: ShardLayout, on, placements, shape, stride,
         for d, p in zip(dims, placements)
     ]
     return DTensor.from_local(local, on, places, run_check=False, shape=shape, stride=stride)
+
+
+def gradient_layout(layout: ShardLayout) -> ShardLayout:
+    """Gradients of a Partial value are Replicate (d sum / d part = 1 on every rank)."""
+    places = tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements)
+    return layout.replace(placements=places)

@@ -109,7 +109,9 @@ class _Embed(torch.autograd.Function):
     def backward(ctx, grad):
 
         if ctx.shard:
-            target = api.gradient_layout(ctx.layout)  # the other mesh dims: summed (all-reduce)
+            target = functions.gradient_layout(
+                ctx.layout
+            )  # the other mesh dims: summed (all-reduce)
             local = functions.local_block(grad, target, ctx.mesh)
             dims = sub_mesh_dims(ctx.sub, ctx.mesh)
             sub = target.replace(

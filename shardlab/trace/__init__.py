@@ -9,6 +9,11 @@
     t.bytes(rank=1, kind="send")
 
 Ops label their messages with :func:`label` (``"conv2d.halo forward"``).
+
+The tracer (``record``, ``events``, ``memory``) sits below the messages (:mod:`shardlab.comm`
+records each one here) and imports only :mod:`shardlab.runtime`; ``explain`` and
+``explanation`` read whole models and sit at the top, beside :mod:`shardlab.viz`
+(``pyproject.toml``'s layers).
 """
 
 from shardlab.trace.events import Event, Trace

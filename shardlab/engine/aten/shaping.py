@@ -20,8 +20,8 @@ from shardlab.engine import decisions
 from shardlab.engine.decisions import BLOCKS
 from shardlab.layout import ShardLayout, chunk_sizes, moves
 from shardlab.layout.elementwise import restrict
+from shardlab.layout.strides import stride_like
 from shardlab.layout.views import clamp_index, select_dims_layout
-from shardlab.tensor.api import stride_like
 
 from .registry import register
 from .views import slice_of
