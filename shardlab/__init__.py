@@ -42,7 +42,7 @@ _LAZY = {
     "enable": "shardlab.patch",
     "disable": "shardlab.patch",
     "patched": "shardlab.patch",
-    "messages_in_graphs": "shardlab.comm.traced",
+    "messages_in_graphs": "shardlab.comm.graphs",
 }
 
 

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 import wrapt
 from torch.distributed.tensor import DTensor
 
-from shardlab.comm import traced
-from shardlab.ops.registry import ORIGINALS
+from shardlab.comm import graphs, traced
+from shardlab.ops.registry import ORIGINALS  # name -> torch's F.<name>, while patched
 from shardlab.tensor import ShardTensor
 
 __all__ = ["PATCHED_NAMES", "disable", "enable", "is_enabled", "patched"]
@@ -52,11 +52,9 @@ PATCHED_NAMES = (
 )  # fmt: skip
 
 _LOCK = threading.RLock()
-_ORIGINALS = ORIGINALS  # name -> torch's own F.<name>, while it is patched
 _WRAPPERS: dict = {}  # (name, torch's function) -> its wrapper, made once
-_SHARD_TENSOR: list = [ShardTensor]  # the class whose instances route a call: ShardTensor,
-# or DTensor inside ``patched(dtensors=True)``; never empty (a thread may still be in a
-# wrapper another thread's disable() has just taken off)
+_SHARD_TENSOR: list = [ShardTensor]  # what routes a call (DTensor in ``patched(dtensors=True)``);
+# never empty: a thread may still be in a wrapper another thread's disable() took off
 
 
 def _has_shard_tensor(args, kwargs) -> bool:
@@ -107,7 +105,7 @@ def _no_random(name: str, args, kwargs) -> bool:
 
 def _traced_cut(name: str, args, kwargs) -> bool:
     """Calls whose torch function, run on cut ShardTensors, sends what the sharded one sends
-    and nothing else (so dynamo may trace it: ``traced.check_ranks`` breaks the graph at a
+    and nothing else (so dynamo may trace it: ``traced_ops.check_ranks`` breaks the graph at a
     message): ``F.linear`` (on rows: nothing) and a constant ``F.pad`` (the edge ranks grow,
     ``aten.constant_pad_nd``: nothing; the other modes read a neighbour's rows)."""
     if name == "linear":
@@ -122,7 +120,7 @@ def _traced_router(name: str, original):
     own function for plain tensors, and for ShardTensors on a mesh of one rank where the
     call draws no dropout (aten ops on the blocks: in the graph), and for ``F.linear`` on
     any mesh, as a constant ``F.pad`` (:func:`_traced_cut`: their aten ops are traced where
-    they send nothing, ``traced.check_ranks``);
+    they send nothing, ``traced_ops.check_ranks``);
     the sharded implementation otherwise, eagerly (a graph break)."""
     from shardlab.ops.registry import call
 
@@ -133,7 +131,7 @@ def _traced_router(name: str, original):
             return original(*args, **kwargs)
         if traced.TRACEABLE and _traced_cut(name, args, kwargs):  # torch's, on ShardTensors:
             return original(*args, **kwargs)  # traced where it sends nothing (check_ranks)
-        if traced.in_graphs() and name in _TRACED_CALLS:  # messages_in_graphs()
+        if graphs.in_graphs() and name in _TRACED_CALLS:  # messages_in_graphs()
             return _traced_call(name, args, kwargs)
         return call(name, args, kwargs)
 
@@ -155,14 +153,14 @@ def _nonstrict(name: str):
         for i in nones:
             values.insert(i, None)
         args, kwargs = tuple(values[:n_args]), dict(zip(keys, values[n_args:]))
-        if not traced.dynamo_blocks(values):  # eagerly (dynamo broke the graph here), or
+        if not graphs.dynamo_blocks(values):  # eagerly (dynamo broke the graph here), or
             return dispatch(name, args, kwargs)  # AOTAutograd tracing (see below)
         try:  # dynamo's run on its fake blocks: where it decides the graph's breaks
-            traced.random_in_checkpointed_region(name)
+            graphs.random_in_checkpointed_region(name)
             out, failed = dispatch(name, args, kwargs), None
         except Exception as e:  # noqa: BLE001  (raised again below, on every rank)
             out, failed = None, e
-        traced.agree(name, values, failed)  # (the ShardTensors may be keyword arguments)
+        graphs.agree(name, values, failed)  # (the ShardTensors may be keyword arguments)
         return out
 
     sharded_call.__name__ = sharded_call.__qualname__ = f"sharded_{name}"
@@ -206,13 +204,13 @@ def enable(*, dtensors: bool | None = None) -> None:
     with _LOCK:
         if dtensors is not None:
             _SHARD_TENSOR[:] = [DTensor if dtensors else ShardTensor]
-        if not _ORIGINALS:
+        if not ORIGINALS:
             _hook_dynamo()
         for name in PATCHED_NAMES:
-            if name in _ORIGINALS:
+            if name in ORIGINALS:
                 continue
             original = getattr(F, name)
-            _ORIGINALS[name] = original
+            ORIGINALS[name] = original
             # the same wrapper each time (a compiled graph guards on its type: a new one
             # at every ``patched()`` recompiled a step that entered it)
             key = (name, original)
@@ -243,7 +241,7 @@ class _DynamoFinder(importlib.abc.MetaPathFinder):
     """``torch._dynamo``'s import, while patched, runs with torch's own functions in place."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "torch._dynamo" or not _ORIGINALS:
+        if fullname != "torch._dynamo" or not ORIGINALS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -264,9 +262,9 @@ class _UnpatchedLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         with _LOCK:
-            patched_now = {name: getattr(F, name) for name in _ORIGINALS}
+            patched_now = {name: getattr(F, name) for name in ORIGINALS}
             try:
-                for name, original in _ORIGINALS.items():
+                for name, original in ORIGINALS.items():
                     setattr(F, name, original)
                 self.loader.exec_module(module)
             finally:
@@ -287,9 +285,9 @@ def disable() -> None:
     """Put the original functions back (a second call changes nothing)."""
     with _LOCK:
         _SHARD_TENSOR[:] = [ShardTensor]  # (the next enable() routes ShardTensors, unless told)
-        for name, original in list(_ORIGINALS.items()):
+        for name, original in list(ORIGINALS.items()):
             setattr(F, name, original)
-            del _ORIGINALS[name]
+            del ORIGINALS[name]
         for (module, name), original in list(_NATTEN_ORIGINALS.items()):
             setattr(module, name, original)
             del _NATTEN_ORIGINALS[(module, name)]
@@ -340,7 +338,7 @@ def _natten_router(name: str):
 def _patch_natten(module) -> None:
     """wrapt's post-import hook (and ``enable()`` for natten already imported)."""
     with _LOCK:
-        if not _ORIGINALS:  # shardlab is not enabled: leave natten alone
+        if not ORIGINALS:  # shardlab is not enabled: leave natten alone
             return
         for name in NATTEN_NAMES:
             original = getattr(module, name, None)
@@ -364,7 +362,7 @@ def _hook_natten() -> None:
 
 def is_enabled() -> bool:
     """True while the patches are in place (inside :func:`patched`, or after :func:`enable`)."""
-    return bool(_ORIGINALS)
+    return bool(ORIGINALS)
 
 
 @contextlib.contextmanager

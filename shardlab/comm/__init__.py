@@ -10,6 +10,8 @@ message), :mod:`shardlab.runtime` and :mod:`shardlab._compat`; nothing above it.
   needs them to be;
 - :mod:`.halo`: the halo exchange of window ops (post the edges, send the gradient back);
 - :mod:`.recompute`: the same message order on every rank under activation checkpointing;
-- :mod:`.traced`: messages under ``torch.compile`` (graph breaks, eager regions);
+- :mod:`.traced`: ShardTensor under ``torch.compile`` (eager regions, the flatten format);
+  :mod:`.traced_ops`: which ops dynamo may trace; :mod:`.graphs`: messages in graphs
+  (opt-in) or breaking them;
 - :mod:`._once`: backward passes computed on blocks (first order only).
 """

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from shardlab.comm import p2p, traced
+from shardlab.comm import graphs, p2p, traced
 
 __all__ = ["all_gather", "all_reduce_", "exchange", "is_traced", "sending"]
 
@@ -80,13 +80,13 @@ def sending(t, group=None) -> None:
     """Called on every rank of a message's group before it is posted (also by a rank
     that sends and receives nothing), with the block ``t``: nothing for a real block.
     For a fake one under ``torch.compile`` on several ranks, no graph may hold the
-    message: :func:`shardlab.comm.traced.message_traced` breaks the graph or runs the
+    message: :func:`shardlab.comm.graphs.message_traced` breaks the graph or runs the
     frame eagerly (on every rank alike: the message's group decides, not the block)."""
     if type(t) is torch.Tensor or (group is not None and dist.get_world_size(group) == 1):
         return
-    if traced.breaks_on_messages():  # dynamo runs an op on cut blocks (check_ranks)
+    if graphs.breaks_on_messages():  # dynamo runs an op on cut blocks (check_ranks)
         traced.graph_break("a message between ranks")
-    traced.message_traced(t)
+    graphs.message_traced(t)
 
 
 def _name(group) -> str:

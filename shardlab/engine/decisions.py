@@ -21,10 +21,11 @@ argument) takes the full path every time.
 
 A decision replays exactly what the full path did: which inputs move to which layout
 (moves are messages, and run again on every call, the same on every rank), then the op
-on the local blocks (:class:`LocalCall`; or what stands for it on the blocks: each
-rank's own view, reshape, slice, expand or slice gradient, :class:`LocalView` …), then the result
+on the local blocks (:class:`~.plans.LocalCall`; or what stands for it on the blocks: each
+rank's own view, reshape, slice, expand or slice gradient, :class:`~.plans.LocalView` …),
+then the result
 wrapped in the layout and global strides the full path gave it. An op torch decomposes
-replays its decomposition (:class:`Decomposed`). A rule says its result is such a local
+replays its decomposition (:class:`~.plans.Decomposed`). A rule says its result is such a local
 call with :func:`decided`; only a mark made for this op at this depth is kept (an op
 inside a decomposition marks its own result, which is not the outer op's decision).
 Every other op keeps deciding in full.
@@ -34,18 +35,10 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-from shardlab import _compat
-from shardlab.comm import p2p, traced
-from shardlab.engine import _common
 from shardlab.tensor.api import ShardTensor
 
 __all__ = [
-    "BLOCKS", "Decomposed", "LocalCall", "LocalExpand", "LocalInplace", "LocalReshape",
-    "LocalSlice", "LocalSliceBackward",
-    "LocalView", "Stale", "clear", "decided", "deciding", "depth", "hold", "lookup", "named",
-    "remember", "signature",
+    "BLOCKS", "clear", "decided", "deciding", "depth", "hold", "lookup", "named", "remember",
 ]  # fmt: skip
 
 BLOCKS = "blocks"  # a move: a list of ShardTensors (cat's), each block as it is (and
@@ -74,8 +67,8 @@ def depth() -> int:
 def decided(out, func, moves, mesh, layouts, cause: str = "", local=None) -> None:
     """Mark ``out`` (a rule's result for ``func``) as the op on the blocks after
     ``moves``, giving ``layouts`` (a tuple for an op of several results): the decision
-    can be kept for the signature (:class:`LocalCall`; ``local``: what runs on the blocks
-    instead of ``func``, :class:`LocalView`)."""
+    can be kept for the signature (:class:`~.plans.LocalCall`; ``local``: what runs on the
+    blocks instead of ``func``, :class:`~.plans.LocalView`)."""
     out._decided = (func, _DEPTH[0], moves, mesh, layouts, cause, local)
 
 
@@ -108,48 +101,6 @@ def remember(key, decision, table=_TABLE) -> None:
     table[key] = decision
 
 
-class _Uncacheable(Exception):
-    pass
-
-
-def signature(func, args, kwargs):
-    """The key of the decision for ``func(*args, **kwargs)``, or None (not cacheable)."""
-    st = ShardTensor
-    try:
-        # a ShardTensor's stride(), dtype and requires_grad each call its
-        # __torch_function__ (~1 us each, more than the rest of the key): read them in C
-        with _NO_TORCH_FUNCTION():
-            key = [id(func)]  # ids (C hashes): the decision holds what they name alive
-            for a in args:
-                if type(a) is st:  # the common case, inline
-                    layout = a._layout
-                    if layout is None:
-                        return None  # a traced stand-in: the full path breaks the graph
-                    key.append((st, id(a._spec), id(layout), a.requires_grad))
-                elif type(a) is int:  # a dim, a size (inline: as _sig has it)
-                    key.append((int, a))
-                elif type(a) is list:
-                    if _all_ints(a):  # sizes, dims (view, sum, permute)
-                        key.append((list, _INTS, *a))
-                        continue
-                    items = [list]  # tensors (cat's): as _sig has them, inline
-                    for v in a:
-                        if type(v) is st and v._layout is not None:
-                            items.append((st, id(v._spec), id(v._layout), v.requires_grad))
-                        else:
-                            items.append(_sig(v, st))
-                    key.append(tuple(items))
-                else:
-                    key.append(_sig(a, st))
-            if kwargs:
-                for k, v in kwargs.items():
-                    key.append(k)
-                    key.append(_sig(v, st))
-    except _Uncacheable:
-        return None
-    return tuple(key)  # hashed once, by the lookup (which returns None if it cannot)
-
-
 def named(args, kwargs) -> tuple:
     """The objects a key of a call on ``args``/``kwargs`` names by id besides the op:
     every ShardTensor's spec (its mesh in it) and layout."""
@@ -174,264 +125,3 @@ def hold(key, before, objects: tuple) -> None:
     kept = lookup(key)
     if kept is not None and kept is not before:
         kept.anchors = (*kept.anchors, *objects)
-
-
-_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
-_INTS = "ints"  # in a key: a list of plain ints follows (never equal to _sig's entries)
-
-
-def _all_ints(a) -> bool:
-    for v in a:
-        if type(v) is not int:
-            return False
-    return True
-
-
-# arguments kept in a key by type and value (and that nothing needs to prepare)
-SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
-            torch.memory_format, torch.layout)  # fmt: skip
-
-
-def _sig(a, st):
-    t = type(a)
-    if t is st:
-        if a._layout is None:
-            raise _Uncacheable  # a traced stand-in
-        return (st, id(a._spec), id(a._layout), a.requires_grad)
-    if isinstance(a, torch.Tensor):
-        if isinstance(a, torch.distributed.tensor.DTensor) or t not in (
-            torch.Tensor,
-            torch.nn.Parameter,
-        ):
-            raise _Uncacheable  # a DTensor to adopt, another subclass: the full path
-        return (torch.Tensor, a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
-    if t is list or t is tuple:
-        return (t, *[_sig(v, st) for v in a])  # (a list comprehension: no generator frame)
-    if (t is float or t is complex) and a != a:
-        return (t, "nan", str(a))  # nan != nan: it would never hit
-    if t in SCALARS:
-        return (t, a)  # the type too: True, 1 and 1.0 are equal keys otherwise
-    raise _Uncacheable
-
-
-class LocalCall:
-    """Replay: move the inputs that must move, call the op on the local blocks, wrap.
-
-    ``moves[i]``: what becomes of argument i (positional, then keyword values in order):
-    None (as it is: a scalar, or a ShardTensor whose block is used as it is), a layout (a
-    ShardTensor moved there first, or a plain tensor cut to it: a slice, no message),
-    :data:`BLOCKS` (a list of ShardTensors: their blocks as they are).
-    ``outs``: ``(layout, stride, dtype)`` of each result; ``many``: the op returns a
-    tuple of them (``native_layer_norm``'s output, mean and rstd), else one tensor.
-    """
-
-    __slots__ = ("moves", "mesh", "outs", "many", "cause", "still", "lists", "anchors", "local")
-
-    def __init__(self, moves, mesh, outs, many, cause, anchors=(), local=None):
-        self.moves, self.mesh, self.many, self.cause = tuple(moves), mesh, many, cause
-        self.still = all(m is None for m in self.moves)  # nothing moves: blocks as they are
-        # only lists of blocks taken as they are (cat's), nothing else moves
-        self.lists = not self.still and all(m is None or m is BLOCKS for m in self.moves)
-        self.anchors = tuple(anchors)  # what the ids in the key name: kept alive
-        self.local = local  # what runs on the blocks instead of the op itself (LocalView)
-        me = p2p.my_coord(mesh)
-        self.outs = tuple(
-            (layout, layout.local_shape(me),
-             _compat.dtensor_spec(mesh, traced.placements(layout), layout.global_shape,
-                                  tuple(stride), dtype), dtype)
-            for layout, stride, dtype in outs
-        )  # fmt: skip
-
-    def __call__(self, func, args, kwargs):
-        st = ShardTensor
-        if self.still and not kwargs:  # the commonest case, inline
-            local_args = [a._local_tensor if type(a) is st else a for a in args]
-            local_kwargs = kwargs
-        else:
-            local_args, local_kwargs = self._blocks(args, kwargs, st)
-        if self.local is None:  # (an aten op's C handle: without OpOverload.__call__'s frame)
-            op = func._op if type(func) is _OP_OVERLOAD else func
-            out = op(*local_args, **local_kwargs)
-        else:
-            out = self.local(local_args, local_kwargs)
-        if not self.many:
-            for a in local_args:  # an op that returns its input (lift_fresh): an alias
-                if out is a:
-                    out = out.detach()
-                    break
-            layout, local_shape, spec, dtype = self.outs[0]
-            if out.dtype != dtype or out.shape != local_shape or out.requires_grad:
-                return self._wrap(func, out, layout, local_shape, spec, dtype, st)  # (checks)
-            wrapped = (_NEW or _compat.dtensor_constructor())[0](st, out, spec, requires_grad=False)
-            wrapped._layout = layout  # (as _wrap, inline: the hit path)
-            return wrapped
-        return tuple(self._wrap(func, o, *how, st) for o, how in zip(out, self.outs))
-
-    def _wrap(self, func, out, layout, local_shape, spec, dtype, st):
-        if out.dtype != dtype:  # torch's default dtype changed since (int * 0.5)
-            raise Stale
-        if out.shape != local_shape:
-            raise RuntimeError(
-                f"shardlab internal error: {func} gave a local block of shape "
-                f"{tuple(out.shape)} where {layout} needs {local_shape}; please report it"
-            )
-        if out.requires_grad:  # below autograd a local result has no history: never, so far
-            out = out.detach()
-        wrapped = (_NEW or _compat.dtensor_constructor())[0](st, out, spec, requires_grad=False)
-        wrapped._layout = layout
-        return wrapped
-
-    def _blocks(self, args, kwargs, st):
-        """What the op runs on: each argument's block after its move."""
-        if self.still:  # the common case: every block as it is, one pass
-            local_args = [a._local_tensor if type(a) is st else a for a in args]
-            local_kwargs = (
-                {k: v._local_tensor if type(v) is st else v for k, v in kwargs.items()}
-                if kwargs
-                else kwargs
-            )
-            return local_args, local_kwargs
-        if self.lists and not kwargs:  # cat's: one pass, no moves
-            local_args = [
-                [t._local_tensor if type(t) is st else t for t in a]
-                if m is BLOCKS
-                else (a._local_tensor if type(a) is st else a)
-                for a, m in zip(args, self.moves)
-            ]
-            return local_args, kwargs
-        n = len(args)
-        local_args = [self._local(a, self.moves[i], st) for i, a in enumerate(args)]
-        local_kwargs = {
-            k: self._local(v, self.moves[n + j], st) for j, (k, v) in enumerate(kwargs.items())
-        }
-        return local_args, local_kwargs
-
-    def _local(self, a, move, st):
-        if move is None:
-            return a._local_tensor if type(a) is st else a
-        if move is BLOCKS:  # a plain tensor in the list: only ever a skipped empty one
-            return [t._local_tensor if type(t) is st else t for t in a]
-        c = _common
-        if type(a) is st:
-            return c.move(a, move, self.cause)._local_tensor
-        return c.move(c.as_shard(a, self.mesh), move, self.cause)._local_tensor
-
-
-_OP_OVERLOAD = torch._ops.OpOverload
-_NEW = _compat._NEW  # [DTensor's C constructor] (what _compat.new_dtensor calls), once used
-
-
-class LocalInplace(LocalCall):
-    """Replay of an element-wise op that writes its first argument (``add_``, ``mul_`` …):
-    the moves, the op on the blocks (writing the first one), and the first argument
-    itself returned, its layout unchanged (a view that had to be a copy written back)."""
-
-    __slots__ = ()
-
-    def __call__(self, func, args, kwargs):
-        local_args, local_kwargs = self._blocks(args, kwargs, ShardTensor)
-        func(*local_args, **local_kwargs)
-        _common.written(args[0])
-        return args[0]
-
-
-class Decomposed:
-    """Replay of an op torch decomposes: the decomposition again (each op in it replays
-    its own kept decision), its result given the global strides the full path gave it."""
-
-    __slots__ = ("fn", "layout", "stride", "anchors")
-
-    def __init__(self, fn, layout, stride, anchors):
-        self.fn, self.layout, self.stride, self.anchors = fn, layout, tuple(stride), anchors
-
-    def __call__(self, func, args, kwargs):
-        out = self.fn(*args, **kwargs)
-        if type(out) is not ShardTensor or out._layout != self.layout:
-            raise RuntimeError(
-                f"shardlab internal error: {func}'s decomposition gave "
-                f"{getattr(out, '_layout', type(out).__name__)} where it gave {self.layout} "
-                "for the same signature before; please report it"
-            )
-        if out.stride() != self.stride and not any(
-            out is a for a in _common.shards_in((args, kwargs))
-        ):  # as dispatch._with_strides: the global strides torch gives on one device
-            new = ShardTensor._wrap(
-                out._local_tensor, out.device_mesh, out._layout, stride=self.stride
-            )
-            if hasattr(out, "_writeback"):
-                new._writeback = out._writeback
-            out = new
-        return out
-
-
-class Stale(Exception):
-    """A kept decision that does not apply to these blocks: decide in full this time."""
-
-
-class LocalView:
-    """The block of a view whose global shape argument is not the block's: every rank
-    views its own block as ``shape`` (its local extent of the result)."""
-
-    __slots__ = ("shape",)
-
-    def __init__(self, shape):
-        self.shape = tuple(shape)
-
-    def __call__(self, args, kwargs):
-        try:
-            return args[0].view(self.shape)
-        except (RuntimeError, ValueError):  # this block's strides do not allow a view
-            raise Stale from None  # (a fake block's meta raises ValueError): the full path
-
-
-class LocalReshape(LocalView):
-    """The block of a reshape (a copy where a view cannot be): as :class:`LocalView`."""
-
-    __slots__ = ()
-
-    def __call__(self, args, kwargs):
-        return args[0].reshape(self.shape)
-
-
-class LocalSlice:
-    """The block of a slice: this rank's ``[lo:hi:step]`` of its block along ``dim``
-    (an empty slice is ``narrow(dim, 0, 0)``)."""
-
-    __slots__ = ("dim", "lo", "hi", "step", "index")
-
-    def __init__(self, dim, lo, hi, step):
-        self.dim, self.lo, self.hi, self.step = dim, lo, hi, step
-        self.index = (slice(None),) * dim + (slice(lo, hi, step),)
-
-    def __call__(self, args, kwargs):
-        if self.lo >= self.hi:
-            return args[0].narrow(self.dim, 0, 0)
-        return args[0][self.index]
-
-
-class LocalSliceBackward:
-    """The block of a slice's gradient: zeros of this rank's ``shape``, its block of the
-    gradient written at ``index`` (None: the rank holds none of the slice)."""
-
-    __slots__ = ("shape", "index")
-
-    def __init__(self, shape, index):
-        self.shape, self.index = tuple(shape), index
-
-    def __call__(self, args, kwargs):
-        y = args[0].new_zeros(self.shape)
-        if self.index is not None:
-            y[self.index] = args[0]
-        return y
-
-
-class LocalExpand:
-    """The block of an expand: this rank's block expanded to its local ``shape``."""
-
-    __slots__ = ("shape",)
-
-    def __init__(self, shape):
-        self.shape = tuple(shape)
-
-    def __call__(self, args, kwargs):
-        return args[0].expand(self.shape)

@@ -29,7 +29,8 @@ from torch.distributed.tensor import Partial
 from shardlab import _compat
 from shardlab.comm import traced
 from shardlab.engine import _common as c
-from shardlab.engine import decisions, nograd
+from shardlab.engine import decisions, nograd, plans
+from shardlab.engine import meta as _meta
 from shardlab.engine.aten import HANDLERS, register
 from shardlab.engine.aten.fallback import replicate_and_run
 from shardlab.engine.aten.foreach import _ops
@@ -70,7 +71,7 @@ def dispatch(func, args, kwargs):
             _written_views(func, args, kwargs, _written_args(func))
             nograd.seen(None, func, None)
             return out
-    key = decisions.signature(func, args, kwargs)
+    key = plans.signature(func, args, kwargs)
     if key is not None:
         try:
             decided = _TABLE.get(key)
@@ -79,7 +80,7 @@ def dispatch(func, args, kwargs):
         if decided is not None:  # decided before for this signature: replay
             try:
                 out = decided(func, args, kwargs)
-            except decisions.Stale:  # not for these blocks (a view of strided ones)
+            except plans.Stale:  # not for these blocks (a view of strided ones)
                 pass
             else:
                 if nograd._WATCH[0] is not None:  # a torch function being learnt
@@ -104,7 +105,9 @@ def _decide(key, func, args, kwargs):
         if out is not NotImplemented:
             return out
     args, kwargs = c.adopt((args, kwargs))
-    meta = _copy_meta(func, args, kwargs) if func in _NO_META else c.meta_call(func, args, kwargs)
+    meta = (
+        _copy_meta(func, args, kwargs) if func in _NO_META else _meta.meta_call(func, args, kwargs)
+    )
     ran = []
     # the arguments it writes (an optional one passed as None is not written: batch
     # norm's running stats when there are none; the key tells None from a tensor)
@@ -138,7 +141,7 @@ def _written_views(func, args, kwargs, written) -> None:
 
 def _remember_inplace(key, func, args, kwargs, out, before) -> None:
     """An element-wise op that wrote its first argument and left its layout as it was
-    (no Partial reduced into it): kept as :class:`~.decisions.LocalInplace`."""
+    (no Partial reduced into it): kept as :class:`~.plans.LocalInplace`."""
     self = args[0]
     if out is not self or self._layout is not before or not c.is_inplace(func):
         return
@@ -150,7 +153,7 @@ def _remember_inplace(key, func, args, kwargs, out, before) -> None:
     moves, mesh, _, cause = how
     moves = _whole_moves(moves, args, kwargs)
     anchors = _anchors(func, args, kwargs)
-    decisions.remember(key, decisions.LocalInplace(moves, mesh, [], False, cause, anchors))
+    decisions.remember(key, plans.LocalInplace(moves, mesh, [], False, cause, anchors))
 
 
 _DECOMPOSED = object()  # in ``ran``: torch's decomposition made the result
@@ -164,7 +167,7 @@ def _remember_decomposed(key, func, args, kwargs, out, decomposed) -> None:
     if type(out) is not st or getattr(out, "_writeback", None):
         return
     anchors = _anchors(func, args, kwargs)
-    decisions.remember(key, decisions.Decomposed(decomposed, out._layout, out.stride(), anchors))
+    decisions.remember(key, plans.Decomposed(decomposed, out._layout, out.stride(), anchors))
 
 
 def _anchors(func, args, kwargs) -> tuple:
@@ -197,7 +200,7 @@ def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
             return  # not what the rule said it made: decide in full every time
         outs = [(o._layout, o.stride(), o.dtype) for o in outs]
         anchors = _anchors(func, args, kwargs)
-        decisions.remember(key, decisions.LocalCall(moves, mesh, outs, many, cause, anchors, local))
+        decisions.remember(key, plans.LocalCall(moves, mesh, outs, many, cause, anchors, local))
 
 
 def _whole_moves(moves, args, kwargs) -> list:

@@ -14,7 +14,7 @@ or grad mode is off) the second one can be skipped::
                         kept decision that runs the op on the blocks as they are
 
 Learnt only when the call (``Tensor.__add__`` on the global tensors) reached
-``__torch_dispatch__`` once, as a kept :class:`~.decisions.LocalCall` with nothing
+``__torch_dispatch__`` once, as a kept :class:`~.plans.LocalCall` with nothing
 moved and nothing run instead of the op (so the aten op on the blocks is the answer),
 and returned that op's result: then the same call on the blocks is the same aten op on
 the blocks. Only torch's C functions and methods (and a few ``torch.nn.functional``
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlab import _compat
-from shardlab.engine import decisions
+from shardlab.engine import decisions, plans
 from shardlab.tensor import entry
 from shardlab.tensor.api import ShardTensor
 
@@ -53,16 +53,12 @@ _modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._len_torch_function_stack
 _autocast = torch._C._is_any_autocast_enabled
 _grad = torch.is_grad_enabled
-_read = torch._C._disabled_torch_function_impl  # a getter without __torch_function__
-_REQUIRES_GRAD = torch._C.TensorBase.requires_grad.__get__
 
 
 def call(func, types, args, kwargs):
     """``func(*args, **kwargs)`` replayed on the blocks, else NotImplemented (the usual
     path). ``args``/``kwargs``: ShardTensors of one mesh, scalars, lists of those."""
-    grad = _grad()
-    if grad and args and type(args[0]) is ShardTensor and _read(_REQUIRES_GRAD, (), args[:1], {}):
-        return NotImplemented  # training: the first test (the key would find it too)
+    grad = _grad()  # (a first argument requiring grad in grad mode never comes here: entry.py)
     if func in _NEVER or _autocast() or _modes() or _function_modes():
         return NotImplemented
     key = _key(func, args, kwargs, grad)
@@ -72,7 +68,7 @@ def call(func, types, args, kwargs):
     if type(kept) is _Replay:
         try:
             return kept(func, args, kwargs)
-        except decisions.Stale:
+        except plans.Stale:
             return NotImplemented
     if kept is _NOT or decisions.depth():
         return NotImplemented
@@ -136,7 +132,7 @@ def _key(func, args, kwargs, grad):
 
 def _scalar(key: list, v) -> bool:
     t = type(v)
-    if t not in decisions.SCALARS:
+    if t not in plans.SCALARS:
         return False
     if (t is float or t is complex) and v != v:
         key += (t, str(v))  # nan != nan: it would never hit
@@ -177,7 +173,7 @@ def _learnt(out, ops, tries):
     if len(ops) != 1:
         return _NOT
     kept, _, result = ops[0]
-    if type(kept) is not decisions.LocalCall or kept.local is not None:
+    if type(kept) is not plans.LocalCall or kept.local is not None:
         return _NOT
     if not (kept.still or kept.lists):  # something moves (a message, or a cut)
         return _NOT
@@ -213,12 +209,12 @@ class _Replay:
         else:
             out = func(*blocks)
         if type(out) is not torch.Tensor or out.shape != self.local_shape:
-            raise decisions.Stale
+            raise plans.Stale
         if out.dtype != self.dtype:  # torch's default dtype changed since
-            raise decisions.Stale
+            raise plans.Stale
         for b in blocks:
             if out is b:  # a block returned as it is: the result would alias an input
-                raise decisions.Stale
+                raise plans.Stale
         new = (_NEW or _compat.dtensor_constructor())[0]
         wrapped = new(ShardTensor, out, self.spec, requires_grad=False)
         wrapped._layout = self.layout

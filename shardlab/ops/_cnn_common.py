@@ -77,7 +77,7 @@ def meta_call(fn, input, *args, **kwargs):
     Cached by the arguments' shapes, dtypes and values (torch's reference decompositions
     on meta tensors cost hundreds of microseconds; a training step repeats its calls);
     the result is only read (shapes), never written."""
-    from shardlab.engine._common import _key
+    from shardlab.engine.meta import _key
 
     try:
         with torch._C.DisableTorchFunctionSubclass():  # a ShardTensor's shape: no Python

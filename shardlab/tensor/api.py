@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardlab import _compat
-from shardlab.comm import p2p, traced
+from shardlab.comm import graphs, p2p, traced
 from shardlab.layout import ShardLayout, format_sizes
 from shardlab.layout.strides import contiguous_stride
 from shardlab.tensor import (
@@ -139,7 +139,7 @@ class ShardTensor(DTensor):
         # AOTAutograd: a gradient may not be Partial (DTensor's rule, with our sizes)
         if self._layout is None or not any(isinstance(p, Partial) for p in self._layout.placements):
             return self
-        with traced.guessing():
+        with graphs.guessing():
             return functions.Redistribute.apply(
                 self, functions.gradient_layout(self._layout), "tangent"
             )

@@ -9,7 +9,7 @@ passes here when something was compiled in this process (``traced.COMPILED``):
    which the compiled backward refuses (torch's issue #173123): such outputs get
    Replicate zeros as extra roots;
 2. after it, :func:`plain_gradients`: compiled code takes parameters as they are
-   (``traced.one_rank``, ``traced.check_ranks``), and a ``.grad`` that came back as a
+   (``traced_ops.one_rank``, ``traced_ops.check_ranks``), and a ``.grad`` that came back as a
    ShardTensor is made the plain tensor it is eagerly.
 
 Any backward, whatever its root: :func:`route`, set when a compiled backward node reads a
@@ -130,7 +130,7 @@ def _route_hook(node, grad_inputs, grad_outputs):
         if type(g) is not api.ShardTensor or g._spec.mesh.size() == 1:
             continue
         var = getattr(node.next_functions[i][0], "variable", None)
-        # a Partial gradient is a plain input's (traced.check_ranks breaks the graph where
+        # a Partial gradient is a plain input's (traced_ops.check_ranks breaks the graph where
         # a ShardTensor input's would be): others are left as they are
         if isinstance(var, DTensor) or not any(type(p) is Partial for p in g.placements):
             continue

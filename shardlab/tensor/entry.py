@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlab.comm import traced
+from shardlab.comm import graphs, traced, traced_ops
 from shardlab.tensor import api, backward
 
 __all__ = ["NEVER_REPLAYED", "SCALAR_TYPES", "dispatch_rule", "install"]
@@ -42,8 +42,8 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         if func.__self__ is _DATA:  # ``p.data = new``
             return _set_data(func, types, args)
     if compiling and func not in _OWN_CALLS:
-        if traced.one_rank(args, kwargs):  # traced: nothing to lift (see traced.py)
-            pooled = traced.pooled_mean(func, args, kwargs or _NO_KWARGS)
+        if traced_ops.one_rank(args, kwargs):  # traced: nothing to lift (see traced.py)
+            pooled = traced_ops.pooled_mean(func, args, kwargs or _NO_KWARGS)
             if pooled is not None:
                 return pooled
             return _disabled_torch_function(func, types, args, kwargs or _NO_KWARGS)
@@ -52,8 +52,9 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         # scalars; nothing to lift, nothing of ours above aten
         mesh = _one_mesh(args, cls)
         if mesh is not None and mesh is not _MIXED:
-            if not compiling and func not in NEVER_REPLAYED:  # nothing for autograd to
-                # record: on the blocks (views, Python functions: never, asked first)
+            if not compiling and func not in NEVER_REPLAYED and not _training(args, cls):
+                # nothing for autograd to record: on the blocks (views, Python functions:
+                # never, asked first)
                 out = _REPLAY[0](func, types, args, kwargs or _NO_KWARGS)
                 if out is not NotImplemented:
                     return out
@@ -65,7 +66,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         return run_backward(*args, **kwargs)
     if not (compiling and traced.TRACEABLE):
         args, kwargs = _LIFT[0](args, kwargs)
-    elif func in _OWN_CALLS and traced.cut_by_dynamo(args, kwargs):  # (they send)
+    elif func in _OWN_CALLS and traced_ops.cut_by_dynamo(args, kwargs):  # (they send)
         traced.graph_break(f"{func.__name__} on ShardTensors cut over several ranks")
     # (traced: parameters taken as they are; their gradients are summed after the
     # backward: shardlab.tensor.compiled_grads.route)
@@ -84,8 +85,8 @@ def torch_dispatch(cls, func, types, args=(), kwargs=None):
         if not traced.faked(args):  # an eager region under torch.compile
             return _EAGER_TD[0](cls, func, types, args, kwargs)
     elif traced.COMPILED and torch.compiler.is_compiling():  # dynamo's fake blocks
-        if traced.check_ranks(func, args, kwargs):  # cut over ranks: traced where
-            with traced.sends_break():  # nothing is sent
+        if traced_ops.check_ranks(func, args, kwargs):  # cut over ranks: traced where
+            with graphs.sends_break():  # nothing is sent
                 return _DISPATCH[0](func, args, kwargs or _NO_KWARGS)
     if _INFERENCE_MODE() and func.is_view and _tracked_view(func):
         return _normal_view(func, args, kwargs or _NO_KWARGS)
@@ -189,6 +190,19 @@ def _one_mesh(args, cls, mesh=None):
         elif t not in SCALAR_TYPES:
             return _MIXED
     return mesh
+
+
+def _training(args, cls) -> bool:
+    """Autograd records this op: grad mode on and the first argument requires grad (the
+    replay's first test, asked here; the replay's key would find it too)."""
+    return (
+        bool(args) and _GRAD() and type(args[0]) is cls and _READ(_REQUIRES_GRAD, (), args[:1], {})
+    )
+
+
+_GRAD = torch.is_grad_enabled
+_READ = torch._C._disabled_torch_function_impl  # a getter without __torch_function__
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad.__get__
 
 
 def _scalar_kwargs(kwargs) -> bool:

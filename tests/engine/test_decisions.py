@@ -125,7 +125,7 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
         from torch.distributed.tensor import Shard
 
         from shardlab import distribute, this_rank
-        from shardlab.engine import decisions
+        from shardlab.engine import decisions, plans
         from tests.tensor._cases import key_variants
 
         mesh = this_rank().mesh
@@ -164,9 +164,9 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
         torch.ops.aten.cat.default([base, base], 2)
         seen["tensor list repeat"] = len(decisions._TABLE) == before + 1
         cat = torch.ops.aten.cat.default
-        key = decisions.signature(cat, ([base, base], 2), {})
+        key = plans.signature(cat, ([base, base], 2), {})
         for name in ("sizes", "dtype", "placement", "strides", "requires_grad"):
-            other = decisions.signature(cat, ([base, variants[name]], 2), {})
+            other = plans.signature(cat, ([base, variants[name]], 2), {})
             out = cat([base, variants[name]], 2)
             seen[f"tensor list {name}"] = other != key and torch.equal(
                 out.full_tensor(), torch.cat([g, variants[name].full_tensor()], 2)
@@ -212,7 +212,7 @@ def test_a_kept_view_of_blocks_that_cannot_be_viewed_decides_in_full(ranks_for):
         from torch.distributed.tensor import Shard
 
         from shardlab import ShardTensor, this_rank
-        from shardlab.engine import decisions
+        from shardlab.engine import decisions, plans
 
         mesh = this_rank().mesh
         me = mesh.get_local_rank()
@@ -222,7 +222,7 @@ def test_a_kept_view_of_blocks_that_cannot_be_viewed_decides_in_full(ranks_for):
         first = flat.view(-1).full_tensor()
         odd = ShardTensor.from_local(block.t().contiguous().t(), mesh, [Shard(0)])
         assert odd.to_local().stride() != flat.to_local().stride()
-        key = decisions.signature(torch.ops.aten.view.default, (odd, [-1]), {})
+        key = plans.signature(torch.ops.aten.view.default, (odd, [-1]), {})
         kept = decisions.lookup(key) is not None  # the first view's decision applies
         second = odd.view(-1).full_tensor()
         return kept, torch.equal(first, g.view(-1)), torch.equal(second, g.view(-1))
@@ -238,15 +238,15 @@ def test_a_kept_view_of_a_fake_block_that_cannot_be_viewed_decides_in_full():
     graph again on fake blocks, where the kept view of its transposed keys raised."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardlab.engine import decisions
+    from shardlab.engine import plans
 
-    view = decisions.LocalView((4, 9, 8))
+    view = plans.LocalView((4, 9, 8))
     with FakeTensorMode():
         fake = torch.empty(2, 9, 2, 8).transpose(1, 2)  # (2, 2, 9, 8), strides (144, 8, 16, 1)
-        with pytest.raises(decisions.Stale):
+        with pytest.raises(plans.Stale):
             view([fake], {})
         assert view([torch.empty(2, 2, 9, 8)], {}).shape == (4, 9, 8)
-    with pytest.raises(decisions.Stale):
+    with pytest.raises(plans.Stale):
         view([torch.empty(2, 9, 2, 8).transpose(1, 2)], {})
 
 
@@ -371,7 +371,7 @@ def test_whole_blocks_keep_decisions_without_moves(ranks_for, world):
         from torch.distributed.tensor import Replicate, Shard
 
         from shardlab import distribute, this_rank
-        from shardlab.engine import decisions
+        from shardlab.engine import decisions, plans
 
         n = this_rank().world_size
         mesh = this_rank().mesh if n == 1 else this_rank().mesh_for((n, 1))
@@ -394,7 +394,7 @@ def test_whole_blocks_keep_decisions_without_moves(ranks_for, world):
         want = ops(x0, x0[:, :1])
         decisions.clear()
         got = [ops(x, r) for _ in range(3)]
-        kept = [d for d in decisions._TABLE.values() if isinstance(d, decisions.LocalCall)]
+        kept = [d for d in decisions._TABLE.values() if isinstance(d, plans.LocalCall)]
         equal = all(
             torch.allclose(a.full_tensor(), b, atol=1e-6) for run in got for a, b in zip(run, want)
         )

@@ -1,4 +1,4 @@
-"""``shardlab.messages_in_graphs()`` (``shardlab/comm/traced.py``): compiled with it, the
+"""``shardlab.messages_in_graphs()`` (``shardlab/comm/graphs.py``): compiled with it, the
 collectives and halos of sharded code are ops of the compiled graphs (no graph break at
 them), chained in one order on every rank; the results equal the uncompiled sharded call
 and one device, forward and backward, with ``aot_eager`` and inductor."""
@@ -410,16 +410,16 @@ def test_the_scope_is_left_as_it_was():
     from torch._functorch import partitioners
 
     import shardlab
-    from shardlab.comm import traced
+    from shardlab.comm import graphs, traced
 
     torch_pass = partitioners.force_save_effectful_ops
-    assert not traced._IN_GRAPHS
+    assert not graphs._IN_GRAPHS
     with shardlab.messages_in_graphs():
         with shardlab.messages_in_graphs():
-            assert traced._IN_GRAPHS
-        assert traced.in_graphs() == traced.TRACEABLE
-    assert not traced._IN_GRAPHS and not traced.in_graphs()
+            assert graphs._IN_GRAPHS
+        assert graphs.in_graphs() == traced.TRACEABLE
+    assert not graphs._IN_GRAPHS and not graphs.in_graphs()
     with pytest.raises(ZeroDivisionError), shardlab.messages_in_graphs():
         raise ZeroDivisionError
-    assert not traced._IN_GRAPHS
+    assert not graphs._IN_GRAPHS
     assert partitioners.force_save_effectful_ops is torch_pass

@@ -642,21 +642,21 @@ def test_a_traced_message_breaks_or_skips_the_frame():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-    from shardlab.comm import traced
+    from shardlab.comm import graphs
 
     mode = FakeTensorMode()
     fake = mode.from_tensor(torch.ones(2))
     with FunctionalTensorMode():
         functional = FunctionalTensor.to_functional(torch.ones(2))
     for block in (fake, functional):
-        traced.message_traced(block)  # no torch.compile around: a node of the graph
+        graphs.message_traced(block)  # no torch.compile around: a node of the graph
     with tracing(TracingContext(mode)):
         with pytest.raises(Unsupported, match="a message between ranks"):
-            traced.message_traced(fake)
+            graphs.message_traced(fake)
         with pytest.raises(SkipFrame, match="this frame runs eagerly"):
-            traced.message_traced(functional)
-        with traced.guessing():
-            traced.message_traced(functional)
+            graphs.message_traced(functional)
+        with graphs.guessing():
+            graphs.message_traced(functional)
 
 
 # -- a mesh of one rank: everything in the graph ------------------------------------
@@ -900,7 +900,7 @@ def test_dynamic_ints_in_sizes_never_fail(ranks_for, world):
 def test_one_rank_checkpointed_attention_compiles(ranks_for):
     """Attention inside ``torch.utils.checkpoint`` (a transformer block under activation
     checkpointing), compiled on one rank: equal to torch forward and backward (on torch
-    2.13-2.14 the attention kernel runs eagerly there: ``traced._SAVES_MESH``)."""
+    2.13-2.14 the attention kernel runs eagerly there: ``graphs._SAVES_MESH``)."""
 
     def body():
         import torch.nn.functional as F

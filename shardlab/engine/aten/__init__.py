@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     diagonal,
     dim_ops,
     foreach,
+    indexing,
     matmul,
     reductions,
     shaping,

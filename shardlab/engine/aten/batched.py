@@ -27,6 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardlab.engine import _common as c
 from shardlab.engine import decisions
+from shardlab.engine.meta import meta_call
 from shardlab.layout import ShardLayout
 
 from .registry import register
@@ -114,7 +115,7 @@ def batched(func, args, kwargs):
         else:  # a plain tensor, whole: sliced where the others are cut
             cut = any(isinstance(p, Shard) for p in target.placements)
             moves.append(target if cut else None)
-    meta = c.meta_call(func, args, kwargs)
+    meta = meta_call(func, args, kwargs)
     metas = meta if isinstance(meta, (tuple, list)) else (meta,)
     if not metas or not all(
         isinstance(o, torch.Tensor) and tuple(o.shape[:nb]) == tuple(batch) for o in metas

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard
 
 from shardlab.engine import _common as c
 from shardlab.engine import decisions
+from shardlab.engine.meta import meta_call
 from shardlab.layout import ShardLayout
 
 from .registry import register
@@ -52,7 +53,7 @@ def _diagonal(func, args, kwargs):
     n = max(x.ndim, 1)
     if not x._layout.is_block():
         return NotImplemented
-    meta = c.meta_call(func, args, kwargs)
+    meta = meta_call(func, args, kwargs)
     out = diagonal_layout(x._layout, d1 % n, d2 % n, tuple(meta.shape))
     if out is None:
         return NotImplemented

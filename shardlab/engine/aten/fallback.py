@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlab.comm import traced
+from shardlab.comm import graphs, traced, traced_ops
 from shardlab.engine import _common as c
 
 aten = torch.ops.aten
@@ -28,7 +28,7 @@ def replicate_and_run(func, args, kwargs):
     mesh = c.the_mesh(shards)
     cause = f"whole-tensor fallback for {c.op_name(func)}"
     if mesh.size() != 1:
-        if traced.in_graphs() and traced.cut_by_dynamo(shards, {}):
+        if graphs.in_graphs() and traced_ops.cut_by_dynamo(shards, {}):
             # (inside messages_in_graphs(): an op on whole tensors, written in place or
             # read through its strides, met torch's functionalization, which refuses a
             # mutation through an ``as_strided`` view: the compile failed, on every rank)

@@ -42,6 +42,7 @@ import torch
 from torch.distributed.tensor import Partial
 
 from shardlab.engine import _common as c
+from shardlab.engine.meta import scalars_index
 from shardlab.layout import ShardLayout
 from shardlab.layout.moves import move_cost
 
@@ -261,7 +262,7 @@ def _subset(args, kwargs, idx, n, scalars=None):
 def _scalars_at(func, args, kwargs):
     """The value index (positional, then keyword) of a ``Tensor scalars`` argument of one
     number per element, or None."""
-    i = c.scalars_index(func)
+    i = scalars_index(func)
     if i is None:
         return None
     if i < len(args):

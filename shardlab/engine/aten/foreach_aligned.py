@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial
 
 from shardlab.engine import _common as c
+from shardlab.engine.meta import scalars_index
 
 from .foreach import _ALONE, _PER_TENSOR, PLAIN
 
@@ -51,7 +52,7 @@ def aligned(func, args, kwargs):
             "none" if not rets else "list" if len(rets) == 1 and str(rets[0].type) == "List[Tensor]"
             else "other"
         )  # fmt: skip
-        if c.op_name(func) in _NOT_ALIGNED or c.scalars_index(func) is not None:
+        if c.op_name(func) in _NOT_ALIGNED or scalars_index(func) is not None:
             kind = _RESULTS[func] = "other"
     if kind == "other" or (kwargs and kwargs.get("memory_format") is not None):
         return NotImplemented  # (a memory format: the full path's strides)

@@ -13,13 +13,8 @@ from __future__ import annotations
 import torch
 
 from shardlab.engine import _common as c
-from shardlab.engine.decisions import (
-    LocalExpand,
-    LocalReshape,
-    LocalSlice,
-    LocalView,
-    decided,
-)
+from shardlab.engine.decisions import decided
+from shardlab.engine.plans import LocalExpand, LocalReshape, LocalSlice, LocalView
 from shardlab.layout import moves
 from shardlab.layout.views import (
     Blocked,

@@ -1,0 +1,223 @@
+"""Ops that read or write rows by index: embedding (and its backward), ``x[index]``,
+``index_put``, ``gather``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardlab.engine import _common as c
+from shardlab.layout import ShardLayout, moves
+from shardlab.layout.elementwise import restrict
+from shardlab.layout.views import select_dims_layout
+
+from .registry import register
+
+aten = torch.ops.aten
+
+
+@register(aten.embedding.default)
+def _embedding(func, args, kwargs):
+    weight, indices = given = args[0], args[1]
+    st = c.ShardTensor
+    mesh = c.the_mesh(c.shards_in((weight, indices)))
+    weight = weight if isinstance(weight, st) else c.as_shard(weight, mesh)
+    indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
+    weight = c.reduced(weight, "embedding.partial")
+    wl = weight._layout
+    if any(isinstance(p, Shard) and p.dim == 0 for p in wl.placements):
+        return NotImplemented  # vocab-parallel rows: decomposition / fallback
+    il = indices._layout
+    places, entry = [], []
+    for m, (p, q) in enumerate(zip(il.placements, wl.placements)):
+        if isinstance(q, Shard):  # embedding dim cut (tensor parallel): indices whole
+            places.append(Shard(indices.ndim))
+            entry.append(wl.sizes[m])
+        else:
+            places.append(p)
+            entry.append(il.sizes[m])
+    if any(isinstance(q, Shard) for q in wl.placements) and any(
+        isinstance(p, Shard) for p in il.placements
+    ):
+        indices = c.move(indices, c.replicate_layout(indices.shape, mesh), "embedding.align")
+        il = indices._layout
+        places = [
+            Shard(indices.ndim) if isinstance(q, Shard) else Replicate() for q in wl.placements
+        ]
+        entry = [wl.sizes[m] if isinstance(q, Shard) else None for m, q in enumerate(wl.placements)]
+    atoms = None if il.atoms is None else il.atoms + (None,)
+    out = ShardLayout(
+        tuple(indices.shape) + (weight.shape[1],),
+        il.mesh_shape,
+        tuple(places),
+        tuple(entry),
+        atoms,
+        il.cuts,
+    )
+    y = c.wrap(func(weight._local_tensor, indices._local_tensor, *args[2:], **kwargs), mesh, out)
+    _keep(y, func, given, (weight, indices), args, kwargs, mesh, out, "embedding.align")
+    return y
+
+
+def _keep(y, func, given, used, args, kwargs, mesh, layout, cause) -> None:
+    """Keep the decision for the signature: the first two arguments were ``given``, the
+    op ran on ``used``; the second may have moved (with the label ``cause``), the first
+    not (its moves have another label)."""
+    if used[0] is given[0] or used[0]._local_tensor is given[0]:
+        c.keep_moves(func, args, kwargs, {1: used[1]}, y, mesh, layout, cause)
+
+
+@register(aten.embedding_dense_backward.default)
+def _embedding_backward(func, args, kwargs):
+    """Rows of the weight gradient summed over this rank's tokens: Partial(sum) over the
+    mesh dims that cut the tokens (one all-reduce when read)."""
+    grad, indices, num_weights, padding_idx, scale_by_freq = args[:5]
+    if scale_by_freq:
+        return NotImplemented
+    given = (grad, indices)
+    mesh = c.the_mesh(c.shards_in((grad, indices)))
+    st = c.ShardTensor
+    indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
+    grad = c.reduced(grad, "embedding_backward.partial")
+    lead = list(range(indices.ndim))
+    if any(isinstance(p, Shard) and p.dim == indices.ndim for p in grad._layout.placements):
+        return NotImplemented
+    tokens = select_dims_layout(grad._layout, lead)  # the (B, S) of grad's (B, S, D)
+    indices = c.move(indices, tokens, "embedding_backward.align")
+    y = func(grad._local_tensor, indices._local_tensor, *args[2:], **kwargs)
+    places = [
+        Partial() if isinstance(p, Shard) and p.dim in lead else Replicate()
+        for p in grad._layout.placements
+    ]
+    out = ShardLayout(tuple(y.shape), grad._layout.mesh_shape, tuple(places), (None,) * mesh.ndim)
+    y = c.wrap(y, mesh, out)
+    _keep(y, func, given, (grad, indices), args, kwargs, mesh, out, "embedding_backward.align")
+    return y
+
+
+@register(aten.index.Tensor)
+def _index(func, args, kwargs):
+    """``x[idx]`` with whole (replicated) integer index tensors on dims no mesh dim cuts:
+    every rank indexes its block; other cases go to the fallback."""
+    x, indices = args[0], list(args[1])
+    st = c.ShardTensor
+    if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return NotImplemented
+    if any(
+        isinstance(i, st) and any(not isinstance(p, Replicate) for p in i._layout.placements)
+        for i in indices
+    ):
+        return NotImplemented
+    x = c.reduced(x, "index.partial")
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    cut = [m for m, p in enumerate(x._layout.placements) if isinstance(p, Shard) and p.dim in dims]
+    if cut:
+        x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for index")
+    loc = [None if i is None else c.local(i) for i in indices]
+    y = func(x._local_tensor, loc)
+    _, where, _ = _index_dims(x, indices)  # result dims of x's other dims
+    gshape = list(y.shape)
+    for d, e in where.items():
+        gshape[e] = x.shape[d]
+    return c.wrap(y, x.device_mesh, _relabel(x._layout, where, gshape))
+
+
+def _index_dims(x, indices):
+    """(indexed dims, the dims of ``x[indices]`` that the other dims of x land on), as
+    torch places them: the index shape replaces the indexed dims, in place when adjacent,
+    else in front."""
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    ishape = torch.broadcast_shapes(*[tuple(i.shape) for i in indices if i is not None])
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    front = dims[0] if adjacent else 0
+    rest = [d for d in range(x.ndim) if d not in dims]
+    where = {
+        d: ((d if d < front else d - len(dims) + len(ishape)) if adjacent
+            else len(ishape) + rest.index(d))
+        for d in rest
+    }  # fmt: skip
+    return dims, where, len(ishape)
+
+
+def _relabel(lay: ShardLayout, where: dict, shape) -> ShardLayout | None:
+    """``lay`` with each sharded dim d moved to dim ``where[d]`` of a tensor of global
+    ``shape`` (the same pieces: no data moves); None if a sharded dim has no place."""
+    places, atoms = [], [None] * len(shape)
+    for p in lay.placements:
+        if isinstance(p, Shard):
+            if p.dim not in where:
+                return None
+            places.append(Shard(where[p.dim]))
+            atoms[where[p.dim]] = lay.dim_atoms(p.dim)
+        else:
+            places.append(p)
+    if all(a is None or len(a) == 1 for a in atoms):
+        return ShardLayout(tuple(shape), lay.mesh_shape, tuple(places), lay.sizes)
+    cuts = tuple(lay.cut_of(m) for m in range(len(places)))
+    atoms = tuple(None if a is None or len(a) == 1 else a for a in atoms)
+    return ShardLayout(tuple(shape), lay.mesh_shape, tuple(places), lay.sizes, atoms, cuts)
+
+
+@register(aten.index_put.default)
+def _index_put(func, args, kwargs):
+    """``x.index_put(indices, values, accumulate)`` (``x[idx]``'s gradient is one) with
+    whole integer index tensors, values cut like ``x[indices]`` would be: x cut the same way,
+    or x replicated (then cut like them, no message); every rank writes its block. Other
+    cases go to the fallback."""
+    x, indices, values = args[0], list(args[1]), args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    st = c.ShardTensor
+    if (
+        not isinstance(x, st)
+        or not isinstance(values, st)
+        or not any(i is not None for i in indices)
+    ):
+        return NotImplemented
+    for i in indices:
+        if i is None:
+            continue
+        if i.dtype in (torch.bool, torch.uint8) or (
+            isinstance(i, st) and any(not isinstance(p, Replicate) for p in i._layout.placements)
+        ):
+            return NotImplemented
+    if any(isinstance(p, Partial) for p in x._layout.placements + values._layout.placements):
+        return NotImplemented
+    dims, where, n_index = _index_dims(x, indices)
+    if values.ndim != x.ndim - len(dims) + n_index:
+        return NotImplemented  # values broadcast: the fallback
+    back = {e: d for d, e in where.items()}  # a dim of values -> the dim of x it fills
+    target = _relabel(values._layout, back, tuple(x.shape))
+    if target is None or any(values.shape[e] != x.shape[d] for e, d in back.items()):
+        return NotImplemented  # a cut dim of values torch broadcasts: the fallback
+    if x._layout != target:
+        if any(not isinstance(p, Replicate) for p in x._layout.placements):
+            return NotImplemented
+        x = c.move(x, target, "index_put.cut")  # whole -> pieces: local slicing
+    loc = [None if i is None else c.local(i) for i in indices]
+    y = func(x._local_tensor, loc, values._local_tensor, accumulate)
+    return c.wrap(y, x.device_mesh, target)
+
+
+@register(aten.gather.default)
+def _gather(func, args, kwargs):
+    """``gather(x, dim, index)``: dim whole in x, index cut like x elsewhere -> local."""
+    x, dim, index = args[0], args[1], args[2]
+    st = c.ShardTensor
+    mesh = c.the_mesh(c.shards_in((x, index)))
+    x = c.reduced(x if isinstance(x, st) else c.as_shard(x, mesh), "gather.partial")
+    index = index if isinstance(index, st) else c.as_shard(index, mesh)
+    dim %= x.ndim
+    lay = x._layout
+    bad = [
+        m
+        for m, p in enumerate(lay.placements)
+        if isinstance(p, Shard) and (p.dim == dim or index.shape[p.dim] != x.shape[p.dim])
+    ]
+    if bad:
+        x = c.move(x, moves.replicated(lay, bad), "auto-redistribute for gather")
+        lay = x._layout
+    target = restrict(lay, index.shape, [False] * mesh.ndim)
+    index = c.move(index, target, "gather.align")
+    y = func(x._local_tensor, dim, index._local_tensor, *args[3:], **kwargs)
+    return c.wrap(y, mesh, target)
