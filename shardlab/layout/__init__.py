@@ -7,7 +7,7 @@
 
 Nothing here communicates: these are the plans the ops and the figures follow. Layer 0
 (**layout** → ``comm`` → ``tensor`` → ``engine`` → ``ops`` → ``patch``): it imports nothing
-of shardlab but :mod:`shardlab._compat`; every layer above may import it.
+of shardlab but ``shardlab._compat``; every layer above may import it.
 """
 
 from .conv import (

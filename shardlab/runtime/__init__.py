@@ -1,7 +1,7 @@
 """The rank runtime: a persistent pool of ranks for notebooks, tests and scripts.
 
-Below the tensor layers, beside :mod:`shardlab.layout`: it imports nothing of shardlab but
-:mod:`shardlab._compat` (and the kernel's side imports no torch); the tracer and the
+Below the tensor layers, beside ``shardlab.layout``: it imports nothing of shardlab but
+``shardlab._compat`` (and the kernel's side imports no torch); the tracer and the
 tensor layers above may import it.
 """
 

@@ -10,9 +10,9 @@
 
 Ops label their messages with :func:`label` (``"conv2d.halo forward"``).
 
-The tracer (``record``, ``events``, ``memory``) sits below the messages (:mod:`shardlab.comm`
-records each one here) and imports only :mod:`shardlab.runtime`; ``explain`` and
-``explanation`` read whole models and sit at the top, beside :mod:`shardlab.viz`
+The tracer (``record``, ``events``, ``memory``) sits below the messages (``shardlab.comm``
+records each one here) and imports only ``shardlab.runtime``; ``explain`` and
+``explanation`` read whole models and sit at the top, beside ``shardlab.viz``
 (``pyproject.toml``'s layers).
 """
 
