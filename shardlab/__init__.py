@@ -35,7 +35,7 @@ __all__ = [
 # name -> module that defines it (these import torch, so they load on first use)
 _LAZY = {
     "trace": "shardlab.trace",
-    "explain": "shardlab.trace.explain",
+    "explain": "shardlab.explainer.explain",
     "ShardTensor": "shardlab.tensor",
     "distribute": "shardlab.tensor",
     "scatter_tensor": "shardlab.tensor",

@@ -17,7 +17,7 @@ PACKAGE = ROOT / "shardlab"
 # below ops/: what a learner reads to see how a sharded op runs
 BELOW_OPS = (
     *("_compat.py", "_tree.py", "_layers.py", "layout", "runtime"),
-    *("trace/record.py", "trace/events.py", "trace/memory.py", "comm", "tensor", "engine"),
+    *("trace", "comm", "tensor", "engine"),
 )
 # imports kept inside functions on purpose: what needs torch stays out of the torch-free
 # pool (shardlab.runtime, imported by the kernel before torch)

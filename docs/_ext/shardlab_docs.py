@@ -34,7 +34,7 @@ logger = logging.getLogger("shardlab_docs")
 PUBLIC_MODULES = [
     "shardlab",
     "shardlab.trace",
-    "shardlab.trace.explain",
+    "shardlab.explainer.explain",
     "shardlab.viz",
     "shardlab.lm",
     "shardlab.layout",

@@ -10,10 +10,9 @@
 
 Ops label their messages with :func:`label` (``"conv2d.halo forward"``).
 
-The tracer (``record``, ``events``, ``memory``) sits below the messages (``shardlab.comm``
-records each one here) and imports only ``shardlab.runtime``; ``explain`` and
-``explanation`` read whole models and sit at the top, beside ``shardlab.viz``
-(``pyproject.toml``'s layers).
+The tracer sits below the messages (``shardlab.comm`` records each one here) and imports
+only ``shardlab.runtime``; ``shardlab.explain`` (``shardlab.explainer``), which reads whole
+models, sits at the top.
 """
 
 from shardlab.trace.events import Event, Trace

@@ -135,7 +135,7 @@ def test_gather_in_two_rounds(ranks_for):
     def body():
         import torch.distributed as dist
 
-        from shardlab.trace import explain as ex
+        from shardlab.explainer import explain as ex
 
         me = dist.get_rank()
         small = ex._gather([me] * 3, torch.device("cpu"))

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from shardlab.trace.explanation import Explanation, ModuleRecord
+from shardlab.explainer.explanation import Explanation, ModuleRecord
 
 __all__ = ["Explanation", "ModuleRecord", "explain"]
 
