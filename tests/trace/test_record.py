@@ -13,7 +13,7 @@ def _no_modes() -> bool:
     """No dispatch mode, and none of the tracer's kernels, installed."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from shardlab.trace.record import installed
+    from shardlab.trace.hooks import installed
 
     return len(_get_current_dispatch_mode_stack()) == 0 and not installed()
 
