@@ -1,6 +1,6 @@
 """The messages: everything shardlab sends between ranks, on local tensors.
 
-Layer 3 of 6 (``layout`` → **comm** → ``tensor`` → ``engine`` → ``ops`` → ``patch``).
+Layer 2 (``layout`` → **comm** → ``tensor`` → ``engine`` → ``ops`` → ``patch``).
 It may import :mod:`shardlab.layout`, :mod:`shardlab.trace` (the tracer that records each
 message), :mod:`shardlab.runtime` and :mod:`shardlab._compat`; nothing above it.
 

@@ -1,6 +1,6 @@
 """The dispatch engine: every aten op on a ShardTensor, decided and run.
 
-Layer 5 of 6 (``layout`` → ``comm`` → ``tensor`` → **engine** → ``ops`` → ``patch``).
+Layer 4 (``layout`` → ``comm`` → ``tensor`` → **engine** → ``ops`` → ``patch``).
 It may import :mod:`shardlab.tensor` and everything below it; nothing above it. It
 installs itself on the class when imported (:func:`shardlab.tensor.entry.install`), as
 DTensor installs its dispatcher.

@@ -1,6 +1,6 @@
 """Sharded implementations of ``torch.nn.functional`` ops, one family per module.
 
-Layer 6 of 7 (``layout`` → ``comm`` → ``tensor`` → ``engine`` → **ops** → ``patch``): it
+Layer 5 (``layout`` → ``comm`` → ``tensor`` → ``engine`` → **ops** → ``patch``): it
 may import everything below it, nothing above. Importing this package imports the engine
 (which installs itself on the class) and registers every handler in :mod:`.registry`,
 and the calls taken over at ``__torch_function__`` (losses, quantiles, ``Tensor.unfold``).

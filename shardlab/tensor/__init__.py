@@ -1,6 +1,6 @@
 """ShardTensor: DTensor with exact, arbitrary shard sizes (see ``api.py``).
 
-Layer 4 of 6 (``layout`` → ``comm`` → **tensor** → ``engine`` → ``ops`` → ``patch``): the
+Layer 3 (``layout`` → ``comm`` → **tensor** → ``engine`` → ``ops`` → ``patch``): the
 class, its constructors, its autograd Functions, pickling and checkpoint hooks. It may
 import :mod:`shardlab.comm` and what is below it; nothing above it. The engine and the
 ops install themselves on the class (:func:`shardlab.tensor.entry.install`) once this
