@@ -61,11 +61,10 @@ import torch.distributed as dist
 from shardlab.comm import collectives, p2p
 from shardlab.comm._once import first_order
 from shardlab.comm.recompute import fenced, kept
-from shardlab.engine._common import replicate_layout
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import cut_once, groups_over
 from shardlab.ops.registry import register
-from shardlab.tensor.create import from_layout
+from shardlab.tensor.create import from_layout, replicate_layout
 from shardlab.trace import label
 
 __all__ = ["cross_entropy"]

@@ -52,9 +52,16 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         # scalars; nothing to lift, nothing of ours above aten
         mesh = _one_mesh(args, cls)
         if mesh is not None and mesh is not _MIXED:
-            if not compiling and func not in NEVER_REPLAYED and not _training(args, cls):
-                # nothing for autograd to record: on the blocks (views, Python functions:
-                # never, asked first)
+            if (
+                not compiling
+                and func not in NEVER_REPLAYED  # (views, Python functions: asked first)
+                and not (  # autograd records it: grad mode, a first argument requiring grad
+                    args
+                    and _GRAD()
+                    and type(args[0]) is cls
+                    and _READ(_REQUIRES_GRAD, (), args[:1], {})
+                )
+            ):  # nothing for autograd to record: on the blocks
                 out = _REPLAY[0](func, types, args, kwargs or _NO_KWARGS)
                 if out is not NotImplemented:
                     return out
@@ -190,14 +197,6 @@ def _one_mesh(args, cls, mesh=None):
         elif t not in SCALAR_TYPES:
             return _MIXED
     return mesh
-
-
-def _training(args, cls) -> bool:
-    """Autograd records this op: grad mode on and the first argument requires grad (the
-    replay's first test, asked here; the replay's key would find it too)."""
-    return (
-        bool(args) and _GRAD() and type(args[0]) is cls and _READ(_REQUIRES_GRAD, (), args[:1], {})
-    )
 
 
 _GRAD = torch.is_grad_enabled
