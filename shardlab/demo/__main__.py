@@ -82,7 +82,7 @@ def resolve_backend(backend: str, device: str, devices_needed: int) -> tuple[str
 def main(argv: list[str] | None = None) -> int:
     from shardlab.runtime import RankError, Ranks
     from shardlab.runtime.context import env_rank
-    from shardlab.runtime.pool import print_outputs
+    from shardlab.runtime.replies import print_outputs
 
     args = parse_args(argv)
     run = importlib.import_module(f"shardlab.demo.{args.name}").run

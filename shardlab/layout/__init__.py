@@ -10,6 +10,7 @@ Nothing here communicates: these are the plans the ops and the figures follow. L
 of shardlab but ``shardlab._compat``; every layer above may import it.
 """
 
+from ._build import chunk_sizes
 from .conv import (
     OVERHANG,
     PAD,
@@ -21,7 +22,7 @@ from .conv import (
 )
 from .conv_nd import Block, ConvPlanND, conv_plan_nd
 from .redistribute import Move, moved_elements, redistribute_plan
-from .shards import ShardLayout, chunk_sizes, format_sizes, offsets, owner_of
+from .shards import ShardLayout, format_sizes, offsets, owner_of
 
 __all__ = [
     "OVERHANG",

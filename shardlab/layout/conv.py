@@ -44,9 +44,10 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ._build import typed
 from ._checks import as_int, int_tuple
 from ._windows import OVERHANG, PAD, Rows, blocks_of, forward_window, transposed_window
-from .shards import _typed, offsets
+from .shards import offsets
 
 __all__ = [
     "OVERHANG", "PAD", "PADDING_MODES", "ConvPlan", "Rows", "conv_out_length", "conv_plan",
@@ -219,7 +220,7 @@ def _kept(plan):
     @functools.wraps(plan)
     def conv_plan(*args, **kwargs):
         try:  # typed, as ShardLayout.build: True and 1.0 are refused where 1 is not
-            key = (_typed(args), _typed(tuple(sorted(kwargs.items()))))
+            key = (typed(args), typed(tuple(sorted(kwargs.items()))))
             hit = table.get(key)
         except TypeError:  # a list among the arguments: planned every time
             return plan(*args, **kwargs)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from shardlab import _compat
-from shardlab.layout.shards import ShardLayout, chunk_sizes
+from shardlab.layout._build import chunk_sizes
+from shardlab.layout.shards import ShardLayout
 
 __all__ = ["layout_of_dtensor"]
 

@@ -19,8 +19,9 @@ import itertools
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ._build import chunk_sizes
 from ._checks import cached
-from .shards import ShardLayout, chunk_sizes
+from .shards import ShardLayout
 
 __all__ = ["mm_strategies"]
 

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ._build import chunk_sizes
 from ._checks import cached
 from .redistribute import moved_elements, redistribute_plan
-from .shards import ShardLayout, chunk_sizes, offsets
+from .shards import ShardLayout, offsets
 from .views import Blocked
 
 __all__ = ["cheapest", "move_cost", "replicated", "resized", "unblock"]

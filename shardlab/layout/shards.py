@@ -31,17 +31,16 @@ tuple of size-tuples, one per piece of the *outer* mesh dim cutting the same ten
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import functools
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._atoms import atom_ranges, canonical, dim_indices, dim_intervals, offsets
+from . import _build, _local
+from ._atoms import canonical, dim_indices, dim_intervals, offsets
+from ._build import check_atoms
 from ._checks import (
     as_int,
     check_mesh_shape,
@@ -51,26 +50,13 @@ from ._checks import (
     mesh_dims_sharding,
     nested_outer,
     normalise_placements,
-    per_mesh_dim,
-    placement_str,
 )
 from .local_shapes import infer_sizes
 
-__all__ = ["ShardLayout", "chunk_sizes", "format_sizes", "offsets", "owner_of"]
+__all__ = ["ShardLayout", "format_sizes", "offsets", "owner_of"]
 
 SizesEntry = tuple[tuple[int, ...], ...] | None
 AtomsEntry = tuple[tuple[int, ...] | None, ...] | None
-
-
-def chunk_sizes(length: int, parts: int) -> tuple[int, ...]:
-    """DTensor's default split: pieces of ``ceil(length / parts)``, the tail short or empty.
-
-    ``chunk_sizes(5, 4) == (2, 2, 1, 0)``; ``chunk_sizes(0, 3) == (0, 0, 0)``.
-    """
-    length = as_int("length", length, 0)
-    parts = as_int("parts", parts, 1)
-    chunk = -(-length // parts)
-    return tuple(max(0, min(chunk, length - i * chunk)) for i in range(parts))
 
 
 def owner_of(index: int, sizes: Sequence[int]) -> int:
@@ -81,30 +67,6 @@ def owner_of(index: int, sizes: Sequence[int]) -> int:
     # the last part starting at or before `index` is non-empty (an empty one is followed by
     # a part with the same start), so it is the one containing `index`.
     return bisect.bisect_right(offsets(sizes), index) - 1
-
-
-_BUILT: dict = {}  # ShardLayout.build's arguments (typed) -> the layout (immutable)
-_REPLACED: dict = {}  # (layout, its typed changes) -> ShardLayout.replace's layout
-
-
-def _typed(value):
-    """A hashable stand-in for an argument (of :meth:`ShardLayout.build`, ``replace``,
-    :func:`~shardlab.layout.conv_plan`) that tells apart every type, down the nesting:
-    a list from a tuple, a bool or a float from an int; TypeError if unhashable."""
-    t = type(value)
-    if t is list or t is tuple or t is torch.Size:
-        return (t, tuple(_typed(v) for v in value))
-    hash(value)
-    return (t, value)
-
-
-def _int_coord(coord) -> tuple:
-    """``coord`` as a tuple, refused (as :meth:`ShardLayout._coord` does) unless it holds
-    ints only: the caches keyed by it must not take ``(True,)`` or ``(1.0,)`` for ``(1,)``."""
-    c = tuple(coord)
-    if any(type(i) is not int for i in c):
-        int_tuple("coord", coord)  # raises TypeError naming the entry
-    return c
 
 
 @dataclass(frozen=True, repr=False)
@@ -139,7 +101,7 @@ class ShardLayout:
         object.__setattr__(self, "mesh_shape", mshape)
         object.__setattr__(self, "placements", places)
         if self.atoms is not None:
-            _check_atoms(gshape, self.atoms)
+            check_atoms(gshape, self.atoms)
             self._check_sizes(raw=True)
             sizes, atoms, cuts = canonical(gshape, places, self.sizes, self.atoms, self.cuts)
             object.__setattr__(self, "sizes", sizes)
@@ -200,56 +162,7 @@ class ShardLayout:
         for mesh dim 1 nesting in mesh dim 0 on the same tensor dim, a list of lists (one per
         mesh-dim-0 piece; a flat list applies to every piece). Replicate/Partial entries: None.
         """
-        try:  # kept per arguments (with their types: 2.0 is refused where 2 is not)
-            key = (cls, _typed(global_shape), _typed(mesh_shape), _typed(placements), _typed(sizes))
-            hit = _BUILT.get(key)
-        except TypeError:  # something unhashable: validated every time
-            return cls._build(global_shape, mesh_shape, placements, sizes)
-        if hit is None:
-            hit = cls._build(global_shape, mesh_shape, placements, sizes)
-            if len(_BUILT) > 8192:
-                _BUILT.clear()
-            _BUILT[key] = hit
-        return hit
-
-    @classmethod
-    def _build(cls, global_shape, mesh_shape, placements, sizes) -> ShardLayout:
-        gshape = int_tuple("global_shape", global_shape)
-        mshape = check_mesh_shape(mesh_shape)
-        places = normalise_placements(placements, len(mshape), len(gshape))
-        entries, flat_1d = per_mesh_dim(sizes, len(mshape))
-        canonical: list[SizesEntry] = []
-        for m, (p, entry) in enumerate(zip(places, entries, strict=True)):
-            if not isinstance(p, Shard):
-                if entry is not None:
-                    raise ValueError(
-                        f"sizes[{m}] must be None for {format_sizes(p, None, m)}: only Shard "
-                        "mesh dims have sizes"
-                    )
-                canonical.append(None)
-                continue
-            outer = nested_outer(places, m)
-            wholes = canonical[outer][0] if outer is not None else (gshape[p.dim],)
-            if entry is None:
-                canonical.append(tuple(chunk_sizes(w, mshape[m]) for w in wholes))
-            elif all(not isinstance(v, Sequence) for v in entry):
-                name = "sizes" if flat_1d else f"sizes[{m}]"
-                flat = int_tuple(name, entry, minimum=None)
-                canonical.append(tuple(flat for _ in wholes))
-            elif outer is None:
-                raise TypeError(f"sizes[{m}] must be a list of ints for {placement_str(p)}")
-            elif len(entry) != len(wholes):
-                raise ValueError(
-                    f"sizes[{m}] has {len(entry)} lists but mesh dim {outer} has {len(wholes)} "
-                    f"pieces; give one list per piece (or one flat list for all)"
-                )
-            else:
-                canonical.append(
-                    tuple(
-                        int_tuple(f"sizes[{m}][{o}]", e, minimum=None) for o, e in enumerate(entry)
-                    )
-                )
-        return cls(gshape, mshape, places, tuple(canonical))
+        return _build.build(cls, global_shape, mesh_shape, placements, sizes)
 
     @classmethod
     def from_local_shapes(
@@ -284,17 +197,7 @@ class ShardLayout:
     def replace(self, **changes) -> ShardLayout:
         """A copy with some fields changed (atoms and cuts kept unless given); kept per
         layout and (typed) changes, as :meth:`build`."""
-        try:
-            key = (self, *((k, _typed(v)) for k, v in sorted(changes.items())))
-            hit = _REPLACED.get(key)
-        except TypeError:  # something unhashable: validated every time
-            return dataclasses.replace(self, **changes)
-        if hit is None:
-            hit = dataclasses.replace(self, **changes)
-            if len(_REPLACED) > 8192:
-                _REPLACED.clear()
-            _REPLACED[key] = hit
-        return hit
+        return _build.replace(self, changes)
 
     # ------------------------------------------------------------------ atoms
     def dim_atoms(self, tensor_dim: int) -> tuple[int, ...]:
@@ -406,19 +309,7 @@ class ShardLayout:
 
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
         """Shape of the block held by the rank at ``coord``."""
-        return _local_shape(self, _int_coord(coord))
-
-    def _local_shape(self, coord: tuple[int, ...]) -> tuple[int, ...]:
-        c = self._coord(coord)
-        if self.atoms is None:
-            return tuple(self._piece(d, c)[1] for d in range(len(self.global_shape)))
-        out = []
-        for d in range(len(self.global_shape)):
-            n = 1
-            for _, size in atom_ranges(self, d, c):
-                n *= size
-            out.append(n)
-        return tuple(out)
+        return _local.local_shape(self, _local.int_coord(coord))
 
     def local_offset(self, coord: Sequence[int]) -> tuple[int, ...]:
         """Global index where that block starts along every tensor dim (0 if unsharded).
@@ -426,16 +317,11 @@ class ShardLayout:
         An empty piece starts where it sits in :meth:`sizes_along` (for empty nested pieces
         torch's ``compute_local_shape_and_global_offset`` reports the dim size instead).
         """
-        return tuple(start for start, _ in _local_box(self, _int_coord(coord)))
+        return tuple(start for start, _ in _local.local_box(self, _local.int_coord(coord)))
 
     def local_box(self, coord: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """The block as global ``[start, stop)`` ranges, one per tensor dim."""
-        return _local_box(self, _int_coord(coord))
-
-    def _local_box(self, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        c = self._coord(coord)
-        pieces = (self._piece(d, c) for d in range(len(self.global_shape)))
-        return tuple((start, start + n) for start, n in pieces)
+        return _local.local_box(self, _local.int_coord(coord))
 
     def numel(self, coord: Sequence[int]) -> int:
         """Number of elements held by the rank at ``coord``."""
@@ -476,14 +362,7 @@ class ShardLayout:
 
     def _piece(self, tensor_dim: int, coord: tuple[int, ...]) -> tuple[int, int]:
         """(global start, size) of ``coord``'s piece along ``tensor_dim``."""
-        self._require_block(tensor_dim, "local_box")
-        start, size = 0, self.global_shape[tensor_dim]
-        for m in mesh_dims_sharding(self.placements, tensor_dim):
-            outer = self.nested_outer(m)
-            parts = self.sizes[m][coord[outer] if outer is not None else 0]
-            start += offsets(parts)[coord[m]]
-            size = parts[coord[m]]
-        return start, size
+        return _local.piece(self, tensor_dim, coord)
 
     def __str__(self) -> str:
         parts = []
@@ -498,29 +377,3 @@ class ShardLayout:
         )
 
     __repr__ = __str__
-
-
-@functools.lru_cache(maxsize=16384)
-def _local_shape(layout: ShardLayout, coord: tuple[int, ...]) -> tuple[int, ...]:
-    return layout._local_shape(coord)
-
-
-@functools.lru_cache(maxsize=16384)
-def _local_box(layout: ShardLayout, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return layout._local_box(coord)
-
-
-def _check_atoms(global_shape: tuple[int, ...], atoms) -> None:
-    if not isinstance(atoms, tuple) or len(atoms) != len(global_shape):
-        raise ValueError(
-            f"atoms must be a tuple with one entry per tensor dim ({len(global_shape)})"
-        )
-    for d, (n, ats) in enumerate(zip(global_shape, atoms, strict=True)):
-        if ats is None:
-            continue
-        ats = int_tuple(f"atoms[{d}]", ats)
-        prod = 1
-        for e in ats:
-            prod *= e
-        if prod != n or not ats:
-            raise ValueError(f"atoms[{d}] = {ats} multiply to {prod}, but tensor dim {d} is {n}")

@@ -20,6 +20,7 @@ import shlex
 from shardlab.runtime import pool as _pool
 from shardlab.runtime import worker
 from shardlab.runtime.context import this_rank
+from shardlab.runtime.replies import print_outputs
 
 __all__ = ["register"]
 
@@ -97,7 +98,7 @@ def ranks_magic(line: str, cell: str, user_ns: dict) -> None:
                 + repr(value)
                 + "\n"
             )
-    _pool.print_outputs(outputs)
+    print_outputs(outputs)
     names = [n.strip() for n in args.pull.split(",") if n.strip()]
     if names:
         pulled = ranks.pull(*names)

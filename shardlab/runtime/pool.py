@@ -16,31 +16,23 @@ results, so scripts run unchanged under torchrun.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import importlib
-import io
 import multiprocessing as mp
 import os
-import pickle
-import signal
-import sys
 import time
-import types
 import weakref
 from collections.abc import Callable
-from multiprocessing.connection import wait
 from typing import Any
 
 import cloudpickle
 
 from shardlab.runtime import context
-from shardlab.runtime.errors import RankError
+from shardlab.runtime.launch import dumps, main_hidden, pick_start_method, worker_module
+from shardlab.runtime.replies import call_attached, collect, print_outputs, rank_error
 
 __all__ = ["Ranks"]
 
 BACKENDS = ("gloo", "nccl")
-_POLL = 0.1  # seconds between checks for signals while waiting for the ranks
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # live pools, for the %%ranks magic
 # Scoped wrappers around every call (``shardlab.trace`` installs one for the
 # duration of its block): ``hook.wrap(fn, args, kwargs)`` before sending,
@@ -48,39 +40,6 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()  # live pools, for the %%ranks magic
 CALL_HOOKS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
     "shardlab_call_hooks", default=()
 )
-
-
-def _start_method(requested: str | None) -> str:
-    available = mp.get_all_start_methods()
-    if requested is None:
-        return "forkserver" if "forkserver" in available else "spawn"
-    if requested not in ("forkserver", "spawn") or requested not in available:
-        supported = [m for m in ("forkserver", "spawn") if m in available]
-        raise ValueError(
-            f"start_method={requested!r} is not supported here; use one of {supported}"
-        )
-    return requested
-
-
-def dumps(obj) -> bytes:
-    """``cloudpickle.dumps``, modules of torch's own classes sent by name. cloudpickle sends
-    a function with the submodules its code may reach (``torch.ops`` when the code says
-    ``torch.ops.aten.add``, ``torch.backends.cuda`` ...), and copies a module whose class
-    is not ``ModuleType`` instead of naming it (and fails)."""
-    buf = io.BytesIO()
-    _ByName(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
-    return buf.getvalue()
-
-
-class _ByName(cloudpickle.Pickler):
-    def reducer_override(self, obj):
-        if (
-            isinstance(obj, types.ModuleType)
-            and type(obj) is not types.ModuleType
-            and sys.modules.get(getattr(obj, "__name__", None)) is obj
-        ):
-            return importlib.import_module, (obj.__name__,)
-        return super().reducer_override(obj)
 
 
 class Ranks:
@@ -182,7 +141,7 @@ class Ranks:
                     f"Ranks({n}, backend='nccl') needs {n} GPUs, found {count}; "
                     "use backend='gloo' on CPU"
                 )
-        self._method = _start_method(start_method)
+        self._method = pick_start_method(start_method)
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         self._start()
         _OPEN.add(self)
@@ -195,7 +154,7 @@ class Ranks:
             from multiprocessing import forkserver
 
             ctx.set_forkserver_preload(["shardlab.runtime.worker"])
-            with _main_hidden():
+            with main_hidden():
                 forkserver.ensure_running()  # imports torch there while we import it here
         import torch.distributed as dist
 
@@ -203,17 +162,19 @@ class Ranks:
             "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, use_libuv=True
         )
         addr = ("127.0.0.1", self._store.port)
-        with _main_hidden():
+        with main_hidden():
             self._spawn_workers(ctx, addr)
-        replies = self._collect(deadline=time.monotonic() + self.timeout + 30)
+        replies = collect(self, deadline=time.monotonic() + self.timeout + 30)
         failed = {r: m for r, m in replies.items() if m[0] != "ready"}
         if failed:
             self._kill()
-            raise self._error(replies, restarted=True, note="the ranks could not start")
+            raise rank_error(
+                replies, self.world_size, restarted=True, note="the ranks could not start"
+            )
         self.pids = [replies[r][2] for r in range(self.world_size)]
 
     def _spawn_workers(self, ctx, addr) -> None:
-        worker = _worker()
+        worker = worker_module()
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
             life_r, life_w = ctx.Pipe(duplex=False)
@@ -340,7 +301,7 @@ class Ranks:
             ranks.push(lr=0.1, steps=3)
             ranks.pull("lr")          # [0.1, 0.1, 0.1, 0.1]
         """
-        worker = _worker()
+        worker = worker_module()
         self._call(worker.push, (values,), {})
 
     def pull(self, *names: str) -> list | dict:
@@ -354,7 +315,7 @@ class Ranks:
             ranks.pull("x")           # [0, 1, 2, 3]
             ranks.pull("x", "lr")     # {"x": [0, 1, 2, 3], "lr": [...]}
         """
-        worker = _worker()
+        worker = worker_module()
         results, _ = self._call(worker.pull, (names,), {})
         if len(names) == 1:
             return [r[0] for r in results]
@@ -378,7 +339,7 @@ class Ranks:
                 "locks and generators are not."
             ) from exc
         if self.attached:
-            results, outputs = self._call_attached(payload)
+            results, outputs = call_attached(payload, self.world_size)
         else:
             results, outputs = self._call_pool(payload)
         for hook in reversed(hooks):
@@ -395,162 +356,8 @@ class Ranks:
         except KeyboardInterrupt:
             self._kill()  # some ranks got the call, others not: start afresh
             raise
-        replies = self._collect()
+        replies = collect(self)
         if any(m[0] != "ok" for m in replies.values()):
-            raise self._error(replies, restarted=self._broken)
+            raise rank_error(replies, self.world_size, restarted=self._broken)
         results = [cloudpickle.loads(replies[r][1]) for r in range(self.world_size)]
         return results, [replies[r][2] for r in range(self.world_size)]
-
-    def _collect(self, deadline: float | None = None) -> dict[int, tuple]:
-        """Wait for one reply per rank; handle deaths, failures and Ctrl-C."""
-        replies: dict[int, tuple] = {}
-        index = {c: r for r, c in enumerate(self._conns)}
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        interrupted = False
-        while len(replies) < self.world_size:
-            now = time.monotonic()
-            failed = any(m[0] == "err" for m in replies.values())
-            if failed or interrupted:
-                deadline = min(deadline or now + self.grace, now + self.grace)
-            pending = [c for c, r in index.items() if r not in replies]
-            waits = pending + [s for s, r in sentinels.items() if r not in replies]
-            # short waits: a signal that the kernel delivered to another thread
-            # (gloo, the store) is only acted on when this thread runs Python
-            step = _POLL if deadline is None else max(0.0, min(_POLL, deadline - now))
-            try:
-                ready = wait(waits, timeout=step)
-                if not ready and (deadline is None or time.monotonic() < deadline):
-                    continue
-            except KeyboardInterrupt:
-                interrupted = True
-                for r in range(self.world_size):
-                    if r not in replies and self._procs[r].is_alive():
-                        os.kill(self._procs[r].pid, signal.SIGUSR1)
-                deadline = time.monotonic() + self.grace
-                continue
-            if not ready:  # deadline passed: stop the stragglers
-                for r in range(self.world_size):
-                    if r not in replies:
-                        replies[r] = (
-                            "err",
-                            "Stopped",
-                            "did not finish after another rank failed"
-                            if not interrupted
-                            else "interrupted",
-                            "",
-                            "",
-                            True,
-                        )
-                self._broken = True
-                break
-            for obj in ready:
-                if obj in index:
-                    r = index[obj]
-                    try:
-                        replies[r] = obj.recv()
-                    except (EOFError, OSError):
-                        pass  # the sentinel reports the death
-                elif sentinels.get(obj) not in replies:
-                    r = sentinels[obj]
-                    code = self._procs[r].exitcode
-                    replies[r] = (
-                        "err",
-                        "RankDied",
-                        f"rank {r} died (exit code {code})",
-                        "",
-                        "",
-                        True,
-                    )
-                    self._broken = True
-        for m in replies.values():
-            if m[0] == "err" and m[5]:
-                self._broken = True
-        if interrupted:
-            if self._broken:
-                self._kill()
-            raise KeyboardInterrupt("interrupted; the ranks were stopped" if self._broken else "")
-        if self._broken:
-            self._kill()
-        return replies
-
-    def _error(self, replies: dict, restarted: bool, note: str = "") -> RankError:
-        failures = {r: (m[1], m[2]) for r, m in replies.items() if m[0] == "err"}
-        # report the root cause: a rank that failed for its own reason, not a
-        # collective that broke because another rank failed
-        own = [r for r, m in sorted(replies.items()) if m[0] == "err" and not m[5]]
-        rank = own[0] if own else min(failures)
-        outputs = []
-        for r in range(self.world_size):
-            m = replies.get(r, ("",))
-            outputs.append(m[4] if m[0] == "err" else m[2] if m[0] == "ok" else "")
-        m = replies[rank]
-        print_outputs(outputs)
-        return RankError(rank, m[1], m[2], m[3], failures, restarted=restarted, note=note)
-
-    def _call_attached(self, payload: bytes) -> tuple[list, list]:
-        """torchrun mode: run here, all-gather (ok, result | error) across ranks."""
-        import torch.distributed as dist
-
-        worker = _worker()
-        fn, args, kwargs = cloudpickle.loads(payload)
-        try:
-            mine = ("ok", fn(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001
-            import traceback
-
-            mine = (
-                "err",
-                type(exc).__name__,
-                str(exc),
-                traceback.format_exc(),
-                "",
-                worker.is_dist_error(exc),
-            )
-        gathered: list = [None] * self.world_size
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():  # the runtime's own gather is not the user's traffic
-            dist.all_gather_object(gathered, mine)
-        replies = {r: m for r, m in enumerate(gathered)}
-        if any(m[0] != "ok" for m in replies.values()):
-            failures = {r: (m[1], m[2]) for r, m in replies.items() if m[0] == "err"}
-            rank = min(failures)
-            m = replies[rank]
-            raise RankError(rank, m[1], m[2], m[3], failures)
-        return [m[1] for m in gathered], []
-
-
-@contextlib.contextmanager
-def _main_hidden():
-    """Start workers without re-running the caller's ``__main__`` in them.
-
-    multiprocessing re-imports the main script in every forkserver/spawn child
-    (so an unguarded script would start ranks recursively). The workers only
-    need ``shardlab.runtime.worker.main``; user functions arrive by value via
-    cloudpickle. So the main module is hidden while the processes start.
-    """
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
-
-
-def print_outputs(outputs: list[str]) -> None:
-    """Print what each rank printed, in rank order, each line prefixed ``[rank i]``."""
-    for r, text in enumerate(outputs):
-        if not text:
-            continue
-        for line in text.rstrip("\n").split("\n"):
-            sys.stdout.write(f"[rank {r}] {line}\n")
-    sys.stdout.flush()
-
-
-def _worker():
-    """:mod:`shardlab.runtime.worker`, on first use: it imports torch (the forkserver preloads
-    it for the ranks), which the kernel's side of a pool does without."""
-    from shardlab.runtime import worker
-
-    return worker
