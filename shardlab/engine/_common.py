@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab._tree import tree_leaves, tree_map
 from shardlab.comm import p2p
-from shardlab.engine import decisions
+from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout
 from shardlab.layout.dtensor import layout_of_dtensor
 from shardlab.tensor import submesh
@@ -63,45 +63,12 @@ def wrap(t: torch.Tensor, mesh, layout: ShardLayout):
     return ShardTensor._wrap(t, mesh, layout)
 
 
-def local_call(func, args, kwargs, mesh, layout: ShardLayout, moves=None, cause=""):
-    """The op on the local blocks, wrapped in ``layout``: for rules whose result is exactly
-    ``func(*blocks)`` once the ShardTensor arguments moved to ``moves`` (one entry per
-    positional, then keyword, argument: a layout, or None to keep it as it is). The result
-    carries how it was made, so :mod:`shardlab.engine.dispatch` can keep the decision for
-    the signature (:mod:`shardlab.engine.decisions`)."""
-    st = ShardTensor
-    values = (*args, *kwargs.values())
-    moves = [None] * len(values) if moves is None else list(moves)
-
-    def block(a, mv):
-        if isinstance(a, st):
-            return (a if mv is None else move(a, mv, cause))._local_tensor
-        return a
-
-    n = len(args)
-    out = wrap(
-        func(*[block(a, moves[i]) for i, a in enumerate(args)],
-             **{k: block(v, moves[n + j]) for j, (k, v) in enumerate(kwargs.items())}),
-        mesh, layout,
-    )  # fmt: skip
-    decisions.decided(out, func, moves, mesh, layout, cause)
-    return out
-
-
-def keep_moves(func, args, kwargs, used: dict, results, mesh, layouts, cause: str) -> None:
-    """Keep a rule's decision for the signature (:func:`local_call`'s mark, for rules that
-    move and call themselves): ``used`` maps the position of each tensor argument moved
-    (positional, then keyword values; absent: its block as it is) to what the op ran on,
-    moved with the label ``cause`` (a plain tensor: itself when used whole)."""
-    st = ShardTensor
-    values = (*args, *kwargs.values())
-    moves = [None] * len(values)
-    for i, u in used.items():
-        g = values[i]
-        if u is g or (not isinstance(g, st) and isinstance(u, st) and u._local_tensor is g):
-            continue
-        moves[i] = u._layout
-    decisions.decided(results, func, moves, mesh, layouts, cause)
+def local_call(func, args, kwargs, mesh, layout: ShardLayout, moves=None, cause="") -> Plan:
+    """The plan "the op on the local blocks, wrapped in ``layout``": for rules whose
+    result is exactly ``func(*blocks)`` once the ShardTensor arguments moved to ``moves``
+    (one entry per positional, then keyword, argument: a layout, or None to keep it as
+    it is)."""
+    return Plan(mesh, layout, moves, cause)
 
 
 def move(x, layout: ShardLayout, cause: str):

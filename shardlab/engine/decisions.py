@@ -19,30 +19,31 @@ arguments to build the key, the local call and the wrap: no meta run, no rule, n
 built. Anything the key cannot hold (a plain DTensor to adopt first, an unhashable
 argument) takes the full path every time.
 
-A decision replays exactly what the full path did: which inputs move to which layout
-(moves are messages, and run again on every call, the same on every rank), then the op
-on the local blocks (:class:`~.plans.LocalCall`; or what stands for it on the blocks: each
+A decision is the plan a rule returned (:class:`~shardlab.engine.rule.Plan`), as the
+dispatcher runs it (:mod:`.plans`): which inputs move to which layout (moves are
+messages, and run again on every call, the same on every rank), then the op on the
+local blocks (:class:`~.plans.LocalCall`; or what stands for it on the blocks: each
 rank's own view, reshape, slice, expand or slice gradient, :class:`~.plans.LocalView` …),
-then the result
-wrapped in the layout and global strides the full path gave it. An op torch decomposes
-replays its decomposition (:class:`~.plans.Decomposed`). A rule says its result is such a local
-call with :func:`decided`; only a mark made for this op at this depth is kept (an op
-inside a decomposition marks its own result, which is not the outer op's decision).
-Every other op keeps deciding in full.
+then the result wrapped in the layout and global strides the plan and torch's meta run
+gave it. The first call of a signature runs the very same object. An op torch
+decomposes replays its decomposition (:class:`~.plans.Decomposed`), a rule that is an
+algorithm of several ops runs again (:class:`~.plans.Again`), each op inside replaying
+its own plan. Nothing is learnt from a result, and nothing rides on a tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from shardlab.tensor.api import ShardTensor
 
-__all__ = [
-    "BLOCKS", "clear", "decided", "deciding", "depth", "hold", "lookup", "named", "remember",
-]  # fmt: skip
+__all__ = ["SCALARS", "clear", "deciding", "depth", "lookup", "named", "remember"]
 
-BLOCKS = "blocks"  # a move: a list of ShardTensors (cat's), each block as it is (and
-# the empty 1-D tensors torch.cat skips)
+# arguments kept in a key by type and value (and that nothing needs to prepare)
+SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
+            torch.memory_format, torch.layout)  # fmt: skip
 
 _TABLE: dict = {}
 _DEPTH = [0]  # full decisions under way (a rule's own ops are decided inside its op's)
@@ -50,9 +51,8 @@ _DEPTH = [0]  # full decisions under way (a rule's own ops are decided inside it
 
 @contextlib.contextmanager
 def deciding():
-    """Around the full path of one op: what its rule marks :func:`decided` at this depth
-    is its own; a decision marked deeper is one of the ops its rule (or torch's
-    decomposition) called, not to be kept for this op's signature."""
+    """Around the full path of one op: the ops its rule (or torch's decomposition) calls
+    run inside it (:func:`depth`; the no-grad replay learns nothing there)."""
     _DEPTH[0] += 1
     try:
         yield
@@ -62,14 +62,6 @@ def deciding():
 
 def depth() -> int:
     return _DEPTH[0]
-
-
-def decided(out, func, moves, mesh, layouts, cause: str = "", local=None) -> None:
-    """Mark ``out`` (a rule's result for ``func``) as the op on the blocks after
-    ``moves``, giving ``layouts`` (a tuple for an op of several results): the decision
-    can be kept for the signature (:class:`~.plans.LocalCall`; ``local``: what runs on the
-    blocks instead of ``func``, :class:`~.plans.LocalView`)."""
-    out._decided = (func, _DEPTH[0], moves, mesh, layouts, cause, local)
 
 
 SIZE = 8192  # signatures kept; a training step repeats a few hundred
@@ -117,11 +109,3 @@ def named(args, kwargs) -> tuple:
     for a in (*args, *kwargs.values()):
         visit(a)
     return tuple(out)
-
-
-def hold(key, before, objects: tuple) -> None:
-    """The decision kept for ``key`` since ``before`` (the one kept before the call, or
-    None) holds ``objects`` alive: those its key names by id."""
-    kept = lookup(key)
-    if kept is not None and kept is not before:
-        kept.anchors = (*kept.anchors, *objects)

@@ -24,7 +24,6 @@ DTensor's sharding rules, which change from release to release.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial
 
 from shardlab import _compat
 from shardlab.comm import traced
@@ -36,13 +35,16 @@ from shardlab.engine.aten.fallback import replicate_and_run
 from shardlab.engine.aten.foreach import _ops
 from shardlab.engine.aten.foreach_aligned import aligned
 from shardlab.engine.aten.inplace_views import OUT_OF_PLACE, inplace_view
-from shardlab.engine.aten.pointwise import is_pointwise, pointwise, replay
-from shardlab.engine.aten.whole import on_blocks, whole_arguments
+from shardlab.engine.aten.pointwise import is_pointwise, pointwise
+from shardlab.engine.aten.whole import on_blocks
+from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout
+from shardlab.tensor.api import ShardTensor
 
 __all__ = ["dispatch", "register"]
 
-_TABLE = decisions._TABLE  # (read inline: the hit path)
+_TABLE = decisions._TABLE  # (read inline: the hit path, and the miss's first steps)
+_DEPTH = decisions._DEPTH
 
 
 def _foreach_ids() -> set:
@@ -53,15 +55,8 @@ def _foreach_ids() -> set:
 _ALIGNED = _foreach_ids()
 
 aten = torch.ops.aten
-# ops whose meta run is pointless (no shape arguments to check) or unsupported
-_NO_META = {
-    aten._local_scalar_dense.default,
-    aten.is_nonzero.default,
-    aten.detach.default,
-    aten.alias.default,
-    aten.clone.default,
-    aten._to_copy.default,
-}
+NO_META = _meta.NO_META
+_SCALARS = decisions.SCALARS  # (a key holds these by type and value)
 
 
 def dispatch(func, args, kwargs):
@@ -71,7 +66,7 @@ def dispatch(func, args, kwargs):
             _written_views(func, args, kwargs, _written_args(func))
             nograd.seen(None, func, None)
             return out
-    key = plans.signature(func, args, kwargs)
+    key = signature(func, args, kwargs)
     if key is not None:
         try:
             decided = _TABLE.get(key)
@@ -86,45 +81,115 @@ def dispatch(func, args, kwargs):
                 if nograd._WATCH[0] is not None:  # a torch function being learnt
                     nograd.seen(decided, func, out)
                 return out
-    traced.check(func, args, kwargs)  # dynamo's stand-ins (never a key): a graph break
-    nograd.seen(None, func, None)
-    if key is None:
-        with decisions.deciding():
-            return _decide(key, func, args, kwargs)
-    named, before = decisions.named(args, kwargs), decisions.lookup(key)  # (as keyed)
-    with decisions.deciding():
-        out = _decide(key, func, args, kwargs)
-    decisions.hold(key, before, named)
-    return out
+    if nograd._WATCH[0] is not None:  # a torch function being learnt: not from this
+        nograd.seen(None, func, None)
+    _DEPTH[0] += 1  # (decisions.deciding, inline: the ops the rule calls run inside)
+    try:
+        return _decide(key, func, args, kwargs)
+    finally:
+        _DEPTH[0] -= 1
 
 
 def _decide(key, func, args, kwargs):
-    """The full path: adopt, torch's meta check, the rule, global strides, keep it."""
+    """The full path: adopt, torch's meta check, the plan (the rule's, or the next
+    stage's), run, kept for the signature."""
     if func in OUT_OF_PLACE:  # x.transpose_(0, 1): the view's rule, then the wrapper
         out = inplace_view(func, args, kwargs, dispatch)
         if out is not NotImplemented:
             return out
-    args, kwargs = c.adopt((args, kwargs))
+    if key is None:  # (a key holds no DTensor to adopt, no stand-in of dynamo's)
+        traced.check(func, args, kwargs)  # dynamo's stand-ins: a graph break
+        args, kwargs = c.adopt((args, kwargs))
     meta = (
-        _copy_meta(func, args, kwargs) if func in _NO_META else _meta.meta_call(func, args, kwargs)
+        _meta.copy_meta(func, args, kwargs)
+        if func in NO_META
+        else _meta.meta_call(func, args, kwargs)
     )
-    ran = []
     # the arguments it writes (an optional one passed as None is not written: batch
     # norm's running stats when there are none; the key tells None from a tensor)
     written = [i for i in _written_args(func) if i >= len(args) or args[i] is not None]
-    before = getattr(args[0], "_layout", None) if written == [0] and args else None
-    raw = _run(func, args, kwargs, meta, ran)
-    out = _with_strides(raw, meta, (args, kwargs))
+    out, kept = _run(func, args, kwargs, meta, written)
     if written:  # a write into a view that had to be a copy: into its base too
         _written_views(func, args, kwargs, written)
-    if key is not None and not written:
-        if ran and ran[0] is _DECOMPOSED:  # decomposed with no rule tried first
-            _remember_decomposed(key, func, args, kwargs, out, ran[1])
-        else:
-            _remember(key, func, args, kwargs, raw, out, ran == [pointwise_rule])
-    elif key is not None and before is not None and ran == [pointwise_rule]:
-        _remember_inplace(key, func, args, kwargs, out, before)
+    if key is not None and kept is not None:
+        decisions.remember(key, kept)
     return out
+
+
+def _run(func, args, kwargs, meta, written):
+    """``(result, what to keep for the signature or None)``, from the first stage that
+    takes the call: 1. the op's rule; 2. no rule, every argument whole: the op on the
+    blocks; 3. torch's decomposition; 4. the whole-tensor fallback."""
+    rule = HANDLERS.get(func) or HANDLERS.get(func.overloadpacket)
+    if rule is None and is_pointwise(func) and _meta.elementwise_shapes(args, kwargs, meta):
+        rule = pointwise
+    if rule is not None:
+        got = rule(func, args, kwargs)
+        if type(got) is Plan:
+            return _execute(got, func, args, kwargs, meta, written)
+        if got is not NotImplemented:  # an algorithm of several ops: its result
+            out = _meta.with_strides(got, meta, (args, kwargs))
+            return out, None if written else _again(rule, func, args, kwargs, out)
+        # (a rule that declined may have sent first: c.reduced)
+    plan = on_blocks(func, args, kwargs, meta)  # no rule, every argument whole
+    if plan is not None:
+        return _execute(plan, func, args, kwargs, meta, written)
+    decomposed = _compat.decomposition(func)
+    if decomposed is not None:
+        out = decomposed(*args, **kwargs)
+        if out is not NotImplemented and _meta.agrees(out, meta):
+            out = _meta.with_strides(out, meta, (args, kwargs))
+            return out, None if written else _decomposed(decomposed, func, args, kwargs, out)
+        # a decomposition whose results do not look like the op's (torch's own for the
+        # fused CPU attention returns weights where the op returns a logsumexp): the
+        # shapes are global, so every rank drops it alike
+    return replicate_and_run(func, args, kwargs), None
+
+
+def _execute(plan, func, args, kwargs, meta, written):
+    """Run ``plan`` as a kept decision runs it (:class:`~.plans.LocalCall`), its results
+    given the global strides and dtypes of torch's meta run."""
+    moves = plan.moves or (None,) * (len(args) + len(kwargs))
+    outs = plan.layouts if plan.many else (plan.layouts,)
+    metas = tuple(meta) if plan.many and isinstance(meta, (list, tuple)) else (meta,)
+    how = []
+    for i, layout in enumerate(outs):
+        m = metas[i] if i < len(metas) else None
+        if isinstance(m, torch.Tensor) and tuple(m.shape) == layout.global_shape:
+            how.append((layout, m.stride(), m.dtype))
+        else:  # no meta run: contiguous, the dtype the first run gives
+            how.append((layout, None, None))
+    kind = plans.LocalInplace if plan.inplace else plans.LocalCall
+    anchors = _anchors(func, args, kwargs)
+    run = kind(_whole_moves(moves, args, kwargs), plan.mesh, how, plan.many, plan.cause,
+               anchors, plan.local)  # fmt: skip
+    try:
+        out = run(func, args, kwargs)
+    except plans.Stale:  # not for these blocks (a block that cannot be viewed)
+        if plan.otherwise is None:
+            raise
+        return plan.otherwise(func, args, kwargs), None
+    if written and not (plan.inplace and written == [0]):
+        return out, None  # (an ``out=`` argument written: decided in full every time)
+    return out, run
+
+
+def _again(rule, func, args, kwargs, out):
+    """What keeps a rule that returned its result (:class:`~.plans.Again`), or None."""
+    st = c.ShardTensor
+    outs = out if type(out) is tuple else (out,)
+    if not outs or not all(type(o) is st and not getattr(o, "_writeback", None) for o in outs):
+        return None
+    strides = tuple(o.stride() for o in outs) if type(out) is tuple else out.stride()
+    return plans.Again(rule, strides, _anchors(func, args, kwargs))
+
+
+def _decomposed(decomposed, func, args, kwargs, out):
+    """An op torch decomposes (``addmm``, ``matmul`` …): kept as "decompose again" (each op
+    inside replays its own plan), skipping the adoption and the meta check."""
+    if type(out) is not c.ShardTensor or getattr(out, "_writeback", None):
+        return None
+    return plans.Decomposed(decomposed, out._layout, out.stride(), _anchors(func, args, kwargs))
 
 
 def _written_views(func, args, kwargs, written) -> None:
@@ -139,68 +204,11 @@ def _written_views(func, args, kwargs, written) -> None:
                 c.written(t)
 
 
-def _remember_inplace(key, func, args, kwargs, out, before) -> None:
-    """An element-wise op that wrote its first argument and left its layout as it was
-    (no Partial reduced into it): kept as :class:`~.plans.LocalInplace`."""
-    self = args[0]
-    if out is not self or self._layout is not before or not c.is_inplace(func):
-        return
-    if any(isinstance(p, Partial) for p in before.placements):
-        return  # reduced first when the op is not linear in it: decided in full
-    how = replay(func, args, kwargs, out)
-    if how is None or how[0][0] is not None:
-        return
-    moves, mesh, _, cause = how
-    moves = _whole_moves(moves, args, kwargs)
-    anchors = _anchors(func, args, kwargs)
-    decisions.remember(key, plans.LocalInplace(moves, mesh, [], False, cause, anchors))
-
-
-_DECOMPOSED = object()  # in ``ran``: torch's decomposition made the result
-
-
-def _remember_decomposed(key, func, args, kwargs, out, decomposed) -> None:
-    """An op torch decomposes (``addmm``, ``matmul`` …): kept as "decompose again" (each op
-    inside replays its own decision), skipping the adoption, the meta check and the
-    comparison with it, which hold for every call of the same signature."""
-    st = c.ShardTensor
-    if type(out) is not st or getattr(out, "_writeback", None):
-        return
-    anchors = _anchors(func, args, kwargs)
-    decisions.remember(key, plans.Decomposed(decomposed, out._layout, out.stride(), anchors))
-
-
 def _anchors(func, args, kwargs) -> tuple:
-    """The objects a key names by ``id``: the op and every mesh (kept alive by the decision)."""
+    """The objects a key names by ``id``, kept alive by the decision: the op, every mesh,
+    every ShardTensor's spec and layout."""
     meshes = {id(t.device_mesh): t.device_mesh for t in c.shards_in((args, kwargs))}
-    return (func, *meshes.values())
-
-
-def _remember(key, func, args, kwargs, raw, out, elementwise) -> None:
-    """Keep the decision just taken, when it was a local call (see :mod:`.decisions`)."""
-    st = c.ShardTensor
-    many = isinstance(out, tuple) and isinstance(raw, tuple) and len(out) > 0  # or return_types
-    outs = out if many else (out,)
-    if not all(isinstance(o, st) and not getattr(o, "_writeback", None) for o in outs):
-        return
-    how = getattr(raw[0] if many else raw, "_decided", None)
-    if how is not None and (how[0] is not func or how[1] != decisions.depth()):
-        return  # decided for another op, or inside (an op this one decomposed into)
-    how = how and how[2:]
-    if how is None and elementwise and not many:
-        how = replay(func, args, kwargs, out)
-        how = how and (*how, None)
-    if how is None:
-        how = _on_whole_blocks(func, args, kwargs, outs, many)
-    if how is not None:
-        moves, mesh, layouts, cause, local = how
-        moves = _whole_moves(moves, args, kwargs)
-        layouts = layouts if many else (layouts,)
-        if [o._layout for o in outs] != list(layouts):
-            return  # not what the rule said it made: decide in full every time
-        outs = [(o._layout, o.stride(), o.dtype) for o in outs]
-        anchors = _anchors(func, args, kwargs)
-        decisions.remember(key, plans.LocalCall(moves, mesh, outs, many, cause, anchors, local))
+    return (func, *meshes.values(), *decisions.named(args, kwargs))
 
 
 def _whole_moves(moves, args, kwargs) -> list:
@@ -213,36 +221,13 @@ def _whole_moves(moves, args, kwargs) -> list:
         whole = type(a) in (torch.Tensor, torch.nn.Parameter) or (
             type(a) is st and a._layout.is_whole()
         )
-        if whole and isinstance(m, ShardLayout) and m.is_whole() and a.shape == m.global_shape:
+        if not whole or m is None:
+            continue
+        steps = (m,) if isinstance(m, ShardLayout) else m if type(m) is tuple else ()
+        layouts = [s if isinstance(s, ShardLayout) else s[0] for s in steps]
+        if layouts and all(t.is_whole() and a.shape == t.global_shape for t in layouts):
             out[i] = None
     return out
-
-
-# ops whose values or success depend on the block's own strides, which a key (global
-# strides) does not fix: decided in full every time on whole blocks too
-_STRIDED_READS = {aten.as_strided, aten.as_strided_copy, aten.as_strided_scatter,
-                  aten.view, aten._unsafe_view, aten.view_copy, aten._reshape_alias}  # fmt: skip
-
-
-def _on_whole_blocks(func, args, kwargs, outs, many):
-    """Every ShardTensor argument and result whole on every rank (``ShardLayout.is_whole``:
-    a 1-rank mesh, or no cut across ranks): whatever the rule did, the op on the blocks
-    as they are gives each rank the whole result, so the decision is kept as that local
-    call (a ``select`` of a cut dim on one rank, a ``cat`` of a lifted Replicate tensor
-    and a Shard one). Not for random ops (their rules define their own draws), nor for
-    ops that read the block's strides (:data:`_STRIDED_READS`)."""
-    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-        return None
-    if func.overloadpacket in _STRIDED_READS:
-        return None
-    if not all(o._layout.is_whole() for o in outs):
-        return None
-    scanned = whole_arguments(args, kwargs)
-    if scanned is None:
-        return None
-    moves, first, _ = scanned
-    layouts = tuple(o._layout for o in outs)
-    return moves, first.device_mesh, layouts if many else layouts[0], "", None
 
 
 _WRITTEN: dict = {}
@@ -255,98 +240,77 @@ def _written_args(func) -> list[int]:
     return hit
 
 
-def _run(func, args, kwargs, meta, ran):
-    handler = HANDLERS.get(func) or HANDLERS.get(func.overloadpacket)
-    if handler is None and is_pointwise(func) and elementwise_shapes(args, kwargs, meta):
-        handler = pointwise_rule
-    if handler is not None:
-        out = handler(func, args, kwargs)
-        if out is not NotImplemented:
-            ran.append(handler)
-            return out
-        ran.append(NotImplemented)  # a rule that declined may have sent (c.reduced) first
-    out = on_blocks(func, args, kwargs, meta)  # no rule, every argument whole
-    if out is not None:
-        return out
-    decomposed = _compat.decomposition(func)
-    if decomposed is not None:
-        out = decomposed(*args, **kwargs)
-        if out is not NotImplemented and _agrees(out, meta):
-            ran += [_DECOMPOSED, decomposed]
-            return out
-        # a decomposition whose results do not look like the op's (torch's own for the
-        # fused CPU attention returns weights where the op returns a logsumexp): the
-        # shapes are global, so every rank drops it alike
-    return replicate_and_run(func, args, kwargs)
+# -- the key: a call's signature ------------------------------------------------------
+class _Uncacheable(Exception):
+    pass
 
 
-def _agrees(out, meta) -> bool:
-    """Same structure, shapes and dtypes as the meta run (True when there is none)."""
-    if meta is None:
-        return True
-    if isinstance(meta, torch.Tensor):
-        return (
-            isinstance(out, torch.Tensor)
-            and tuple(out.shape) == tuple(meta.shape)
-            and out.dtype == meta.dtype
-        )
-    if isinstance(meta, (list, tuple)):
-        return (
-            isinstance(out, (list, tuple))
-            and len(out) == len(meta)
-            and all(_agrees(o, m) for o, m in zip(out, meta))
-        )
+def signature(func, args, kwargs):
+    """The key of the decision for ``func(*args, **kwargs)``, or None (not cacheable)."""
+    st = ShardTensor
+    try:
+        # a ShardTensor's stride(), dtype and requires_grad each call its
+        # __torch_function__ (~1 us each, more than the rest of the key): read them in C
+        with _NO_TORCH_FUNCTION():
+            key = [id(func)]  # ids (C hashes): the decision holds what they name alive
+            for a in args:
+                if type(a) is st:  # the common case, inline
+                    layout = a._layout
+                    if layout is None:
+                        return None  # a traced stand-in: the full path breaks the graph
+                    key.append((st, id(a._spec), id(layout), a.requires_grad))
+                elif type(a) is int:  # a dim, a size (inline: as _sig has it)
+                    key.append((int, a))
+                elif type(a) is list:
+                    if _all_ints(a):  # sizes, dims (view, sum, permute)
+                        key.append((list, _INTS, *a))
+                        continue
+                    items = [list]  # tensors (cat's): as _sig has them, inline
+                    for v in a:
+                        if type(v) is st and v._layout is not None:
+                            items.append((st, id(v._spec), id(v._layout), v.requires_grad))
+                        else:
+                            items.append(_sig(v, st))
+                    key.append(tuple(items))
+                else:
+                    key.append(_sig(a, st))
+            if kwargs:
+                for k, v in kwargs.items():
+                    key.append(k)
+                    key.append(_sig(v, st))
+    except _Uncacheable:
+        return None
+    return tuple(key)  # hashed once, by the lookup (which returns None if it cannot)
+
+
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_INTS = "ints"  # in a key: a list of plain ints follows (never equal to _sig's entries)
+
+
+def _all_ints(a) -> bool:
+    for v in a:
+        if type(v) is not int:
+            return False
     return True
 
 
-def _copy_meta(func, args, kwargs):
-    """The strides torch gives an alias or a copy of a ShardTensor (``detach`` and
-    ``alias`` keep its strides, ``clone`` and ``_to_copy`` follow ``memory_format``), from
-    a meta tensor (no meta run of the op itself: a device argument has none)."""
-    x = args[0] if args else None
-    if func not in _COPIES or not isinstance(x, c.ShardTensor):
-        return None
-    with traced.outside_modes():
-        m = torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
-        if func is aten.clone.default or func is aten._to_copy.default:
-            fmt = kwargs.get("memory_format")
-            m = m.clone(memory_format=torch.preserve_format if fmt is None else fmt)
-        return m
-
-
-_COPIES = {aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default}
-
-
-def _with_strides(out, meta, inputs):
-    """Results get the global strides torch gives on one device (from the meta run):
-    the same on every rank, so composite ops that branch on them agree everywhere."""
-    if meta is None:
-        return out
-    st = c.ShardTensor
-    if isinstance(out, st) and isinstance(meta, torch.Tensor):
-        if out.stride() == meta.stride() or tuple(out.shape) != tuple(meta.shape):
-            return out
-        if any(out is a for a in c.shards_in(inputs)):
-            return out  # an in-place op returns its input as it is
-        new = st._wrap(out._local_tensor, out.device_mesh, out._layout, stride=meta.stride())
-        if hasattr(out, "_writeback"):
-            new._writeback = out._writeback
-        return new
-    if isinstance(out, (list, tuple)) and isinstance(meta, (list, tuple)) and len(out) == len(meta):
-        return c.rebuild(out, [_with_strides(o, m, inputs) for o, m in zip(out, meta)])
-    return out
-
-
-def pointwise_rule(func, args, kwargs):
-    return pointwise(func, args, kwargs)
-
-
-def elementwise_shapes(args, kwargs, meta) -> bool:
-    """Is every tensor result the broadcast shape of the inputs? (torch tags ``glu``
-    pointwise, but it halves a dim: blocks of odd length would fail on some ranks.)"""
-    if meta is None:
-        return True
-    shape = c.broadcast_shapes(
-        [tuple(t.shape) for t in c.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    )
-    return all(tuple(m.shape) == shape for m in c.tree_leaves(meta) if isinstance(m, torch.Tensor))
+def _sig(a, st):
+    t = type(a)
+    if t is st:
+        if a._layout is None:
+            raise _Uncacheable  # a traced stand-in
+        return (st, id(a._spec), id(a._layout), a.requires_grad)
+    if isinstance(a, torch.Tensor):
+        if isinstance(a, torch.distributed.tensor.DTensor) or t not in (
+            torch.Tensor,
+            torch.nn.Parameter,
+        ):
+            raise _Uncacheable  # a DTensor to adopt, another subclass: the full path
+        return (torch.Tensor, a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
+    if t is list or t is tuple:
+        return (t, *[_sig(v, st) for v in a])  # (a list comprehension: no generator frame)
+    if (t is float or t is complex) and a != a:
+        return (t, "nan", str(a))  # nan != nan: it would never hit
+    if t in _SCALARS:
+        return (t, a)  # the type too: True, 1 and 1.0 are equal keys otherwise
+    raise _Uncacheable

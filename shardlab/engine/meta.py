@@ -1,18 +1,20 @@
 """torch's own checks and output shapes of an aten op, on shape-only (meta) copies of the
 global tensors: bad arguments raise torch's error on every rank before anything is sent.
-Kept per signature (:func:`meta_call`'s cache), outside any dispatch mode.
+Kept per signature (:func:`meta_call`'s cache), outside any dispatch mode. And what the
+dispatcher reads from it: the global strides of the results (:func:`with_strides`).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from shardlab._tree import tree_leaves, tree_map
 from shardlab.comm import traced
+from shardlab.engine._common import rebuild, shards_in
+from shardlab.tensor.api import ShardTensor
 
-# the rules read these as c.<name> too (``c.as_shard``, ``c.tree_map``)
-from shardlab.tensor.api import ShardTensor  # noqa: F401
-from shardlab.tensor.create import as_shard, replicate_layout  # noqa: F401
+aten = torch.ops.aten
 
 
 def meta_of(x):
@@ -70,9 +72,10 @@ def meta_call(func, args, kwargs):
     """``func`` on shape-only copies of the global tensors: torch's own argument errors,
     raised alike on every rank, and the global output shapes. None when torch has no
     meta kernel for it (or the output size depends on the data). Cached by the
-    arguments' shapes, strides and dtypes (a training step repeats them)."""
+    arguments' shapes, strides and dtypes and torch's default dtype (a training step
+    repeats them)."""
     try:
-        key = (func, _key(args), _key(kwargs))
+        key = (func, _key(args), _key(kwargs), torch.get_default_dtype())  # (int * 0.5)
         hit = _META_CACHE.get(key)
     except TypeError:  # unhashable: a symbolic size in a shape, say
         return _meta_call(func, args, kwargs)
@@ -90,12 +93,22 @@ def meta_call(func, args, kwargs):
 
 
 def _meta_call(func, args, kwargs):
-    with traced.outside_modes():  # meta tensors, also while torch.compile traces (kept)
+    with _no_modes():  # meta tensors, also while torch.compile traces (traced.outside_modes)
         return _meta_call_here(func, args, kwargs)
 
 
+def _metas(x):
+    """``meta_of`` over an op's arguments (tensors, scalars, lists and tuples of them)."""
+    t = type(x)
+    if t is list or t is tuple:
+        return t([_metas(v) for v in x])
+    if t is dict:
+        return {k: _metas(v) for k, v in x.items()}
+    return meta_of(x)
+
+
 def _meta_call_here(func, args, kwargs):
-    margs, mkwargs = tree_map(meta_of, (args, kwargs))
+    margs, mkwargs = _metas(args), _metas(kwargs)
     if scalars_index(func) is not None:
         margs, mkwargs = _keep_cpu_scalars(func, args, kwargs, margs, mkwargs)
     if func in _HALF_ONLY_META:
@@ -194,3 +207,84 @@ def _as_half_on_meta(func, margs, mkwargs):
         return r
 
     return tree_map(back, out)
+
+
+# -- what the dispatcher reads from a meta run -----------------------------------------
+NO_META = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten._to_copy.default,
+}  # ops whose meta run is pointless (no shape argument to check) or unsupported
+
+
+def agrees(out, meta) -> bool:
+    """Same structure, shapes and dtypes as the meta run (True when there is none)."""
+    if meta is None:
+        return True
+    if isinstance(meta, torch.Tensor):
+        return (
+            isinstance(out, torch.Tensor)
+            and tuple(out.shape) == tuple(meta.shape)
+            and out.dtype == meta.dtype
+        )
+    if isinstance(meta, (list, tuple)):
+        return (
+            isinstance(out, (list, tuple))
+            and len(out) == len(meta)
+            and all(agrees(o, m) for o, m in zip(out, meta))
+        )
+    return True
+
+
+def copy_meta(func, args, kwargs):
+    """The strides torch gives an alias or a copy of a ShardTensor (``detach`` and
+    ``alias`` keep its strides, ``clone`` and ``_to_copy`` follow ``memory_format``), from
+    a meta tensor (no meta run of the op itself: a device argument has none)."""
+    x = args[0] if args else None
+    if func not in _COPIES or not isinstance(x, ShardTensor):
+        return None
+    with traced.outside_modes():
+        m = torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+        if func is aten.clone.default or func is aten._to_copy.default:
+            fmt = kwargs.get("memory_format")
+            m = m.clone(memory_format=torch.preserve_format if fmt is None else fmt)
+            if kwargs.get("dtype") is not None:  # _to_copy's new dtype
+                m = m.to(kwargs["dtype"])
+        return m
+
+
+_COPIES = {aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default}
+
+
+def with_strides(out, meta, inputs):
+    """Results get the global strides torch gives on one device (from the meta run):
+    the same on every rank, so composite ops that branch on them agree everywhere."""
+    if meta is None:
+        return out
+    st = ShardTensor
+    if isinstance(out, st) and isinstance(meta, torch.Tensor):
+        if out.stride() == meta.stride() or tuple(out.shape) != tuple(meta.shape):
+            return out
+        if any(out is a for a in shards_in(inputs)):
+            return out  # an in-place op returns its input as it is
+        new = st._wrap(out._local_tensor, out.device_mesh, out._layout, stride=meta.stride())
+        if hasattr(out, "_writeback"):
+            new._writeback = out._writeback
+        return new
+    if isinstance(out, (list, tuple)) and isinstance(meta, (list, tuple)) and len(out) == len(meta):
+        return rebuild(out, [with_strides(o, m, inputs) for o, m in zip(out, meta)])
+    return out
+
+
+def elementwise_shapes(args, kwargs, meta) -> bool:
+    """Is every tensor result the broadcast shape of the inputs? (torch tags ``glu``
+    pointwise, but it halves a dim: blocks of odd length would fail on some ranks.)"""
+    if meta is None:
+        return True
+    shape = torch.broadcast_shapes(
+        *[tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    )
+    return all(tuple(m.shape) == shape for m in tree_leaves(meta) if isinstance(m, torch.Tensor))

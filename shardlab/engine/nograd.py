@@ -42,6 +42,7 @@ __all__ = ["PASS_THROUGH", "TABLE", "call", "seen"]
 
 TABLE: dict = {}  # key -> _Replay, or _NOT (learnt: this call takes the usual path)
 decisions.TABLES.append(TABLE)  # bounded and cleared with the others
+_DEPTH = decisions._DEPTH
 _NOT = object()
 _WATCH: list = [None]  # while a call is learnt: what __torch_dispatch__ replayed under it
 
@@ -70,7 +71,7 @@ def call(func, types, args, kwargs):
             return kept(func, args, kwargs)
         except plans.Stale:
             return NotImplemented
-    if kept is _NOT or decisions.depth():
+    if kept is _NOT or _DEPTH[0]:  # (decisions.depth(), inline: inside a rule's op)
         return NotImplemented
     if not (type(func) in _C_FUNCTIONS or func in PASS_THROUGH):
         _never(func)  # Python code (it could read a size and branch on it)
@@ -132,7 +133,7 @@ def _key(func, args, kwargs, grad):
 
 def _scalar(key: list, v) -> bool:
     t = type(v)
-    if t not in plans.SCALARS:
+    if t not in decisions.SCALARS:
         return False
     if (t is float or t is complex) and v != v:
         key += (t, str(v))  # nan != nan: it would never hit

@@ -1,5 +1,5 @@
-"""What a kept decision runs when its signature comes again (:mod:`.decisions` keeps them),
-and that signature (:func:`signature`: the key a hit is looked up by).
+"""What a plan runs, on its first call and whenever its signature comes again
+(:mod:`.decisions` keeps them).
 
 Each is the full path's result replayed without deciding: the inputs moved where the
 rule moved them (messages, the same on every rank), the op on each rank's block, the
@@ -13,92 +13,12 @@ import torch
 from shardlab import _compat
 from shardlab.comm import p2p, traced
 from shardlab.engine import _common
-from shardlab.engine.decisions import BLOCKS
+from shardlab.engine.rule import BLOCKS
+from shardlab.layout.strides import contiguous_stride
 from shardlab.tensor.api import ShardTensor
 
-__all__ = ["Decomposed", "LocalCall", "LocalExpand", "LocalInplace", "LocalReshape"]
-__all__ += ["LocalSlice", "LocalSliceBackward", "LocalView", "SCALARS", "Stale", "signature"]
-
-
-# -- the key ----------------------------------------------------------------------------
-class _Uncacheable(Exception):
-    pass
-
-
-def signature(func, args, kwargs):
-    """The key of the decision for ``func(*args, **kwargs)``, or None (not cacheable)."""
-    st = ShardTensor
-    try:
-        # a ShardTensor's stride(), dtype and requires_grad each call its
-        # __torch_function__ (~1 us each, more than the rest of the key): read them in C
-        with _NO_TORCH_FUNCTION():
-            key = [id(func)]  # ids (C hashes): the decision holds what they name alive
-            for a in args:
-                if type(a) is st:  # the common case, inline
-                    layout = a._layout
-                    if layout is None:
-                        return None  # a traced stand-in: the full path breaks the graph
-                    key.append((st, id(a._spec), id(layout), a.requires_grad))
-                elif type(a) is int:  # a dim, a size (inline: as _sig has it)
-                    key.append((int, a))
-                elif type(a) is list:
-                    if _all_ints(a):  # sizes, dims (view, sum, permute)
-                        key.append((list, _INTS, *a))
-                        continue
-                    items = [list]  # tensors (cat's): as _sig has them, inline
-                    for v in a:
-                        if type(v) is st and v._layout is not None:
-                            items.append((st, id(v._spec), id(v._layout), v.requires_grad))
-                        else:
-                            items.append(_sig(v, st))
-                    key.append(tuple(items))
-                else:
-                    key.append(_sig(a, st))
-            if kwargs:
-                for k, v in kwargs.items():
-                    key.append(k)
-                    key.append(_sig(v, st))
-    except _Uncacheable:
-        return None
-    return tuple(key)  # hashed once, by the lookup (which returns None if it cannot)
-
-
-_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
-_INTS = "ints"  # in a key: a list of plain ints follows (never equal to _sig's entries)
-
-
-def _all_ints(a) -> bool:
-    for v in a:
-        if type(v) is not int:
-            return False
-    return True
-
-
-# arguments kept in a key by type and value (and that nothing needs to prepare)
-SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device,
-            torch.memory_format, torch.layout)  # fmt: skip
-
-
-def _sig(a, st):
-    t = type(a)
-    if t is st:
-        if a._layout is None:
-            raise _Uncacheable  # a traced stand-in
-        return (st, id(a._spec), id(a._layout), a.requires_grad)
-    if isinstance(a, torch.Tensor):
-        if isinstance(a, torch.distributed.tensor.DTensor) or t not in (
-            torch.Tensor,
-            torch.nn.Parameter,
-        ):
-            raise _Uncacheable  # a DTensor to adopt, another subclass: the full path
-        return (torch.Tensor, a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
-    if t is list or t is tuple:
-        return (t, *[_sig(v, st) for v in a])  # (a list comprehension: no generator frame)
-    if (t is float or t is complex) and a != a:
-        return (t, "nan", str(a))  # nan != nan: it would never hit
-    if t in SCALARS:
-        return (t, a)  # the type too: True, 1 and 1.0 are equal keys otherwise
-    raise _Uncacheable
+__all__ = ["Again", "Decomposed", "LocalCall", "LocalExpand", "LocalInplace", "LocalReshape"]
+__all__ += ["LocalSlice", "LocalSliceBackward", "LocalView", "Stale"]
 
 
 # -- what runs on a hit ---------------------------------------------------------------
@@ -113,7 +33,8 @@ class LocalCall:
     tuple of them (``native_layer_norm``'s output, mean and rstd), else one tensor.
     """
 
-    __slots__ = ("moves", "mesh", "outs", "many", "cause", "still", "lists", "anchors", "local")
+    __slots__ = ("moves", "mesh", "outs", "many", "cause", "still", "lists", "anchors", "local",
+                 "strides")  # fmt: skip
 
     def __init__(self, moves, mesh, outs, many, cause, anchors=(), local=None):
         self.moves, self.mesh, self.many, self.cause = tuple(moves), mesh, many, cause
@@ -125,10 +46,10 @@ class LocalCall:
         me = p2p.my_coord(mesh)
         self.outs = tuple(
             (layout, layout.local_shape(me),
-             _compat.dtensor_spec(mesh, traced.placements(layout), layout.global_shape,
-                                  tuple(stride), dtype), dtype)
+             None if dtype is None else _spec(mesh, layout, stride, dtype), dtype)
             for layout, stride, dtype in outs
         )  # fmt: skip
+        self.strides = tuple(stride for _, stride, _ in outs)  # (read once, if no dtype)
 
     def __call__(self, func, args, kwargs):
         st = ShardTensor
@@ -156,6 +77,12 @@ class LocalCall:
         return tuple(self._wrap(func, o, *how, st) for o, how in zip(out, self.outs))
 
     def _wrap(self, func, out, layout, local_shape, spec, dtype, st):
+        if dtype is None:  # the first run of a plan no meta run typed: its dtype now
+            i = next(i for i, h in enumerate(self.outs) if h[0] is layout and h[3] is None)
+            dtype, spec = out.dtype, _spec(self.mesh, layout, self.strides[i], out.dtype)
+            outs = list(self.outs)
+            outs[i] = (layout, local_shape, spec, dtype)
+            self.outs = tuple(outs)
         if out.dtype != dtype:  # torch's default dtype changed since (int * 0.5)
             raise Stale
         if out.shape != local_shape:
@@ -200,9 +127,21 @@ class LocalCall:
         if move is BLOCKS:  # a plain tensor in the list: only ever a skipped empty one
             return [t._local_tensor if type(t) is st else t for t in a]
         c = _common
-        if type(a) is st:
-            return c.move(a, move, self.cause)._local_tensor
-        return c.move(c.as_shard(a, self.mesh), move, self.cause)._local_tensor
+        if type(a) is not st:
+            a = c.as_shard(a, self.mesh)  # a plain tensor: cut to the layout (a slice)
+        if type(move) is tuple:  # in steps, each with its label
+            for layout, cause in move:
+                a = c.move(a, layout, cause)
+            return a._local_tensor
+        return c.move(a, move, self.cause)._local_tensor
+
+
+def _spec(mesh, layout, stride, dtype):
+    if stride is None:
+        stride = contiguous_stride(layout.global_shape)
+    return _compat.dtensor_spec(
+        mesh, traced.placements(layout), layout.global_shape, tuple(stride), dtype
+    )
 
 
 _OP_OVERLOAD = torch._ops.OpOverload
@@ -221,6 +160,36 @@ class LocalInplace(LocalCall):
         func(*local_args, **local_kwargs)
         _common.written(args[0])
         return args[0]
+
+
+class Again:
+    """Replay of a rule that is an algorithm of several ops (it returned its result, not
+    a plan: ``mean`` as ``sum / n``, an ``argmax``'s gather): the rule again, each op in
+    it replaying its own kept plan; the results given the global strides the full path
+    gave them. Skips the adoption and torch's meta check, which hold for every call of
+    the signature."""
+
+    __slots__ = ("rule", "strides", "anchors")
+
+    def __init__(self, rule, strides, anchors):
+        self.rule, self.strides, self.anchors = rule, strides, anchors
+
+    def __call__(self, func, args, kwargs):
+        out = self.rule(func, args, kwargs)
+        if type(out) is ShardTensor:
+            return _restrided(out, self.strides, args, kwargs)
+        if type(out) is not tuple or len(out) != len(self.strides):
+            raise Stale  # (never, so far: the same signature, the same path)
+        return tuple(_restrided(o, s, args, kwargs) for o, s in zip(out, self.strides))
+
+
+def _restrided(out, stride, args, kwargs):
+    """``out`` with the global ``stride`` (as :func:`.dispatch._with_strides`)."""
+    if stride is None or out.stride() == stride:
+        return out
+    if any(out is a for a in _common.shards_in((args, kwargs))):
+        return out  # an in-place op returns its input as it is
+    return ShardTensor._wrap(out._local_tensor, out.device_mesh, out._layout, stride=stride)
 
 
 class Decomposed:

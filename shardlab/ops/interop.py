@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map
 
-from shardlab.engine.plans import SCALARS
+from shardlab.engine.decisions import SCALARS
 from shardlab.layout import ShardLayout, moves
 from shardlab.tensor import submesh
 from shardlab.tensor.api import ShardTensor

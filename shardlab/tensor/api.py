@@ -107,7 +107,7 @@ class ShardTensor(DTensor):
     # -- pickling (torch.save, copy.deepcopy) -----------------------------------
     def __getstate__(self):
         """What ``torch.save`` keeps besides the block: the layout; not this tensor's notes
-        on how it was made (a rule's decision, a pending write-back into a base), which
+        on how it was made (a pending write-back into a base), which
         cannot be pickled (an optimizer's ``exp_avg``, made by ``zeros_like``, failed)."""
         state = super().__getstate__()  # (the instance dict, and DTensor's slots)
         slots = None
@@ -115,10 +115,6 @@ class ShardTensor(DTensor):
             state, slots = state
         state = {k: v for k, v in (state or {}).items() if k not in NOTES}
         return state if slots is None else (state, slots)
-
-    def _clear_non_serializable_cached_data(self):
-        self.__dict__.pop("_decided", None)  # (read once, by dispatch, after the op)
-        super()._clear_non_serializable_cached_data()
 
     # -- torch.compile (shardlab.comm.traced): torch's DTensor format --------
     def __tensor_flatten__(self):
@@ -387,7 +383,7 @@ class ShardTensor(DTensor):
 # as it takes DTensors: the classes a pickled ShardTensor names (torch lists DTensor's own)
 torch.serialization.add_safe_globals([ShardTensor, ShardLayout, traced.Placements])
 
-NOTES = {"_decided", "_writeback"}  # per-process notes a ShardTensor may carry
+NOTES = {"_writeback"}  # per-process notes a ShardTensor may carry (a pending write-back)
 _CURRENT_NODE = torch._C._current_autograd_node
 
 _compat.route_dispatch(ShardTensor, entry.dispatch_rule)

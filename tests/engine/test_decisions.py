@@ -125,7 +125,7 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
         from torch.distributed.tensor import Shard
 
         from shardlab import distribute, this_rank
-        from shardlab.engine import decisions, plans
+        from shardlab.engine import decisions, dispatch
         from tests.tensor._cases import key_variants
 
         mesh = this_rank().mesh
@@ -164,9 +164,9 @@ def test_every_part_of_the_signature_is_in_the_key(ranks_for):
         torch.ops.aten.cat.default([base, base], 2)
         seen["tensor list repeat"] = len(decisions._TABLE) == before + 1
         cat = torch.ops.aten.cat.default
-        key = plans.signature(cat, ([base, base], 2), {})
+        key = dispatch.signature(cat, ([base, base], 2), {})
         for name in ("sizes", "dtype", "placement", "strides", "requires_grad"):
-            other = plans.signature(cat, ([base, variants[name]], 2), {})
+            other = dispatch.signature(cat, ([base, variants[name]], 2), {})
             out = cat([base, variants[name]], 2)
             seen[f"tensor list {name}"] = other != key and torch.equal(
                 out.full_tensor(), torch.cat([g, variants[name].full_tensor()], 2)
@@ -212,7 +212,7 @@ def test_a_kept_view_of_blocks_that_cannot_be_viewed_decides_in_full(ranks_for):
         from torch.distributed.tensor import Shard
 
         from shardlab import ShardTensor, this_rank
-        from shardlab.engine import decisions, plans
+        from shardlab.engine import decisions, dispatch
 
         mesh = this_rank().mesh
         me = mesh.get_local_rank()
@@ -222,7 +222,7 @@ def test_a_kept_view_of_blocks_that_cannot_be_viewed_decides_in_full(ranks_for):
         first = flat.view(-1).full_tensor()
         odd = ShardTensor.from_local(block.t().contiguous().t(), mesh, [Shard(0)])
         assert odd.to_local().stride() != flat.to_local().stride()
-        key = plans.signature(torch.ops.aten.view.default, (odd, [-1]), {})
+        key = dispatch.signature(torch.ops.aten.view.default, (odd, [-1]), {})
         kept = decisions.lookup(key) is not None  # the first view's decision applies
         second = odd.view(-1).full_tensor()
         return kept, torch.equal(first, g.view(-1)), torch.equal(second, g.view(-1))

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from shardlab.engine import _common as c
+from shardlab.engine.rule import Plan
 from shardlab.layout import moves
 from shardlab.layout.elementwise import restrict, target_from
 from shardlab.layout.views import select_dims_layout
@@ -41,14 +42,21 @@ def _cut(dim, *tensors) -> bool:
 
 
 def _like(t, target, mesh, cause):
-    """``t`` (plain or ShardTensor) moved to ``target`` restricted to its shape."""
-    st = c.ShardTensor
-    t = c.reduced(t if isinstance(t, st) else c.as_shard(t, mesh), cause)
-    return c.move(t, restrict(target, t.shape, [False] * mesh.ndim), cause)
+    """The steps that take ``t`` (plain or ShardTensor) to ``target`` restricted to its
+    shape: its Partial summed, then aligned (None: it stays as it is)."""
+    lay = t._layout if isinstance(t, c.ShardTensor) else c.replicate_layout(t.shape, mesh)
+    steps, part = [], c.without_partial(lay)
+    if part != lay:
+        steps.append((part, cause))
+    want = restrict(target, t.shape, [False] * mesh.ndim)
+    if want != part:
+        steps.append((want, cause))
+    return tuple(steps) or None
 
 
 @register(_FWD, _BWD)
 def _fused(func, args, kwargs):
+    """The plan: q's batch and head cuts for every argument, then the kernel per block."""
     mask = kwargs.get("attn_mask")
     qkv = args[1:4] if func is _BWD else args[0:3]
     gqa = qkv[0].shape[1] != qkv[1].shape[1]  # the kernel repeats the K/V heads itself
@@ -56,58 +64,47 @@ def _fused(func, args, kwargs):
         return NotImplemented  # a cut sequence (or GQA with cut heads): whole tensors
     mesh = c.the_mesh(c.shards_in((args, kwargs)))
     cause = f"{c.op_name(func)}.align"
-    q = c.reduced(qkv[0] if isinstance(qkv[0], c.ShardTensor) else c.as_shard(qkv[0], mesh), cause)
-    places = q._layout.placements
-    one_rank = [m for m, p in enumerate(places) if isinstance(p, Shard) and p.dim >= 2]
+    q = qkv[0]
+    lay = q._layout if isinstance(q, c.ShardTensor) else c.replicate_layout(q.shape, mesh)
+    lay = c.without_partial(lay)
+    one_rank = [m for m, p in enumerate(lay.placements) if isinstance(p, Shard) and p.dim >= 2]
     if one_rank:  # S_q or D cut by mesh dims of one rank (whole): Replicate says the same
-        q = c.move(q, moves.replicated(q._layout, one_rank), cause)  # (no message)
-    lay = q._layout  # (B, H, S_q, D): batch / heads cut, the rest whole
+        lay = moves.replicated(lay, one_rank)  # (no message)
+    # lay (B, H, S_q, D): batch / heads cut, the rest whole
     b, h, sq = q.shape[:3]
-    scores = target_from(lay, (b, h, sq, qkv[1].shape[2]), [False] * mesh.ndim)
-    local_kwargs, used, ran = dict(kwargs), {}, False
-    if mask is not None:
-        used[len(args) + list(kwargs).index("attn_mask")] = m = _like(mask, scores, mesh, cause)
-        local_kwargs["attn_mask"] = m._local_tensor
     rows = select_dims_layout(lay, [0, 1, 2])  # (B, H, S_q): the logsumexp
-    if func is _FWD:
-        k, v = (_like(t, lay, mesh, cause) for t in args[1:3])
-        if q._local_tensor.numel() == 0 or k._local_tensor.numel() == 0:  # nothing here
-            ql = q._local_tensor  # (the kernel refuses empty blocks)
-            out = ql.new_zeros((*ql.shape[:-1], v._local_tensor.shape[-1]))
-            lse = ql.new_full(ql.shape[:-1], float("-inf"))
+    like = [lay] * 5 + [rows] if func is _BWD else [lay] * 3  # g, q, k, v, o, lse | q, k, v
+    steps = [_like(a, t, mesh, cause) for a, t in zip(args, like)]
+    steps += [None] * (len(args) - len(steps))
+    for name, v in kwargs.items():
+        if name == "attn_mask" and v is not None:
+            scores = target_from(lay, (b, h, sq, qkv[1].shape[2]), [False] * mesh.ndim)
+            steps.append(_like(v, scores, mesh, cause))
         else:
-            out, lse = func(
-                q._local_tensor, k._local_tensor, v._local_tensor, *args[3:], **local_kwargs
-            )
-            used.update({0: q, 1: k, 2: v})
-            ran = True
-        results = (
-            c.wrap(out, mesh, lay.replace(global_shape=(b, h, sq, v.shape[-1]))),
-            c.wrap(lse, mesh, rows),
-        )
-        if ran:  # the kernel on this rank's blocks: kept per signature
-            layouts = tuple(r._layout for r in results)
-            c.keep_moves(func, args, kwargs, used, results[0], mesh, layouts, cause)
-        return results
-    g, k, v, o = (_like(t, lay, mesh, cause) for t in (args[0], args[2], args[3], args[4]))
-    lse = _like(args[5], rows, mesh, cause)
-    if q._local_tensor.numel() == 0 or k._local_tensor.numel() == 0:
-        dq, dk, dv = (torch.zeros_like(t._local_tensor) for t in (q, k, v))
-    else:
-        dq, dk, dv = func(
-            g._local_tensor,
-            q._local_tensor,
-            k._local_tensor,
-            v._local_tensor,
-            o._local_tensor,
-            lse._local_tensor,
-            *args[6:],
-            **local_kwargs,
-        )
-        used.update({0: g, 1: q, 2: k, 3: v, 4: o, 5: lse})
-        ran = True
-    results = (c.wrap(dq, mesh, lay), c.wrap(dk, mesh, k._layout), c.wrap(dv, mesh, v._layout))
-    if ran:  # the kernel on this rank's blocks: kept per signature
-        layouts = tuple(r._layout for r in results)
-        c.keep_moves(func, args, kwargs, used, results[0], mesh, layouts, cause)
-    return results
+            steps.append(None)
+    if func is _FWD:
+        v = qkv[2]
+        outs = (lay.replace(global_shape=(b, h, sq, v.shape[-1])), rows)
+    else:  # dq like q, dk and dv like k and v (their own shapes)
+        outs = (lay, *(restrict(lay, t.shape, [False] * mesh.ndim) for t in qkv[1:]))
+    return Plan(mesh, outs, steps, cause, local=_Kernel(func))
+
+
+class _Kernel:
+    """The fused kernel on this rank's blocks (it refuses empty ones: then the empty
+    results directly)."""
+
+    __slots__ = ("func",)
+
+    def __init__(self, func):
+        self.func = func
+
+    def __call__(self, args, kwargs):
+        if self.func is _FWD:
+            q, k, v = args[:3]
+            if q.numel() == 0 or k.numel() == 0:  # nothing here
+                out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+                return out, q.new_full(q.shape[:-1], float("-inf"))
+        elif args[1].numel() == 0 or args[2].numel() == 0:
+            return tuple(torch.zeros_like(t) for t in args[1:4])
+        return self.func(*args, **kwargs)

@@ -26,8 +26,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardlab.engine import _common as c
-from shardlab.engine import decisions
 from shardlab.engine.meta import meta_call
+from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout
 
 from .registry import register
@@ -122,16 +122,8 @@ def batched(func, args, kwargs):
     ):
         return NotImplemented  # a result without the batch dims (lstsq's empty ones)
     layouts = tuple(_out_layout(tuple(o.shape), mesh, cuts) for o in metas)
-    blocks = [_block(a, mv, mesh, st) for a, mv in zip(values, moves)]
-    n = len(args)
-    raw = func(*blocks[:n], **dict(zip(kwargs, blocks[n:])))
-    outs = tuple(raw) if isinstance(raw, (tuple, list)) else (raw,)
-    wrapped = tuple(c.wrap(o, mesh, lay) for o, lay in zip(outs, layouts))
-    if isinstance(meta, (tuple, list)):
-        decisions.decided(wrapped[0], func, moves, mesh, layouts, _CAUSE)
-        return wrapped
-    decisions.decided(wrapped[0], func, moves, mesh, layouts[0], _CAUSE)
-    return wrapped[0]
+    many = isinstance(meta, (tuple, list))
+    return Plan(mesh, layouts if many else layouts[0], moves, _CAUSE)  # the kernel per block
 
 
 _DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
@@ -161,13 +153,6 @@ def _checks_errors(func, args, kwargs) -> bool:
 
 
 _CAUSE = "batched matrix op"
-
-
-def _block(a, move, mesh, st):
-    if move is None:
-        return a._local_tensor if type(a) is st else a
-    whole = a if type(a) is st else c.as_shard(a, mesh)
-    return c.move(whole, move, _CAUSE)._local_tensor  # a slice of a whole tensor: no message
 
 
 def _arg_layout(t, k, nb, mesh, cuts) -> ShardLayout:

@@ -15,8 +15,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 from shardlab.engine import _common as c
-from shardlab.engine import decisions
 from shardlab.engine.meta import meta_call
+from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout
 
 from .registry import register
@@ -57,7 +57,7 @@ def _diagonal(func, args, kwargs):
     out = diagonal_layout(x._layout, d1 % n, d2 % n, tuple(meta.shape))
     if out is None:
         return NotImplemented
-    return c.local_call(func, args, kwargs, x.device_mesh, out)  # (the block's own diagonal)
+    return Plan(x.device_mesh, out)  # (the block's own diagonal)
 
 
 class _LocalBackward:
@@ -97,9 +97,4 @@ def _diagonal_backward(func, args, kwargs):
         places.append(p)
     sizes = [lay.sizes_arg(m) for m in range(len(places))]
     out = ShardLayout.build(tuple(input_sizes), lay.mesh_shape, places, sizes)
-    local = _LocalBackward(keep)
-    y = c.wrap(local((grad._local_tensor, *args[1:]), kwargs), grad.device_mesh, out)
-    decisions.decided(
-        y, func, [None] * (len(args) + len(kwargs)), grad.device_mesh, out, local=local
-    )
-    return y
+    return Plan(grad.device_mesh, out, local=_LocalBackward(keep))  # each block's own

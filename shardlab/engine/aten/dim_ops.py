@@ -22,7 +22,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.comm import collectives
 from shardlab.engine import _common as c
-from shardlab.engine import decisions
+from shardlab.engine.meta import meta_call
+from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.trace import label
@@ -103,57 +104,63 @@ def _whole_on(layout: ShardLayout, dims) -> ShardLayout:
 
 @register(*_SPEC)
 def _along_dims(func, args, kwargs):
-    moved_args, spec = list(args), _SPEC[func]
-    x = c.reduced(args[0], f"{c.op_name(func)}.partial")
+    """The op on each block once no mesh dim cuts a coupled dim (``x`` moved to the
+    cheapest layout that leaves them whole, the other arguments aligned with it)."""
+    spec, name, x = _SPEC[func], c.op_name(func), args[0]
     dims = _norm_dims(spec[1](args, kwargs, x.ndim), x.ndim)
-    if _cutting(x._layout, dims):
+    lay = c.without_partial(x._layout)
+    if _cutting(lay, dims):
         if spec[2]:
             return NotImplemented  # torch's decomposition: exact sums and maxima
-        if func is aten.cumsum.default and _scan_ok(x, dims[0]):
+        if func is aten.cumsum.default and _scan_ok(lay, x.device_mesh, dims[0]):
+            x = c.reduced(x, f"{name}.partial")
             return _cumsum(x, dims[0], kwargs.get("dtype", _at(args, kwargs, 2, "dtype")))
-        x = c.move(x, _whole_on(x._layout, dims), f"auto-redistribute for {c.op_name(func)}")
-    mesh = x.device_mesh
-    unmoved = x is args[0]
-    moved_args[0] = x._local_tensor
-    for i in spec[0][1:]:
-        a = c.reduced(args[i], f"{c.op_name(func)}.partial")
-        a = c.move(a, restrict(x._layout, a.shape, [False] * mesh.ndim), f"{c.op_name(func)}.align")
-        unmoved = unmoved and a is args[i]
-        moved_args[i] = a._local_tensor
-    for i, a in enumerate(args):  # other ShardTensors (layer norm's weight): whole
-        if i not in spec[0] and isinstance(a, c.ShardTensor):
-            moved_args[i] = c.replicated(a, f"{c.op_name(func)}.align")
-            unmoved = unmoved and moved_args[i] is a
-    local_args, local_kwargs = c.locals_of((moved_args, kwargs))
-    out = _wrap_like(func(*local_args, **local_kwargs), x, dims, mesh)
-    st = c.ShardTensor
-    if unmoved:  # the op on the blocks as they are: the decision can be kept for the
-        # signature (shardlab.engine.decisions); a tuple of results carries it on its first
-        keep = [None] * (len(args) + len(kwargs))
-        if isinstance(out, st):
-            decisions.decided(out, func, keep, mesh, out._layout)
-        elif type(out) is tuple and out and all(isinstance(o, st) for o in out):
-            decisions.decided(out[0], func, keep, mesh, tuple(o._layout for o in out))
-    return out
+    meta = meta_call(func, args, kwargs)
+    metas = meta if isinstance(meta, tuple) else (meta,)
+    if not all(isinstance(m, torch.Tensor) for m in metas):
+        return NotImplemented
+    mesh, nm, st = x.device_mesh, x.device_mesh.ndim, c.ShardTensor
+    moves = [_steps(x._layout, lay, f"{name}.partial")]
+    if _cutting(lay, dims):  # 1. the coupled dims made whole
+        lay = _whole_on(lay, dims)
+        moves[0] = (*(moves[0] or ()), (lay, f"auto-redistribute for {name}"))
+    for i, a in enumerate(args[1:], 1):  # 2. the other tensors aligned with it
+        if i in spec[0][1:]:
+            part = c.without_partial(a._layout)
+            steps = _steps(a._layout, part, f"{name}.partial") or ()
+            want = restrict(lay, a.shape, [False] * nm)
+            moves.append(_steps(part, want, f"{name}.align", steps))
+        elif isinstance(a, st):  # (layer norm's weight): whole
+            want = c.replicate_layout(a.shape, mesh)
+            moves.append(_steps(a._layout, want, f"{name}.align"))
+        else:
+            moves.append(None)
+    moves += [None] * len(kwargs)
+    layouts = tuple(_layout_like(tuple(m.shape), lay, dims) for m in metas)
+    return Plan(mesh, layouts if isinstance(meta, tuple) else layouts[0], moves)  # 3. the op
 
 
-def _wrap_like(out, x, dims, mesh):
-    """Outputs keep x's cuts: same dims (softmax, sort, topk ...) or with the coupled
-    dim dropped (median, mode, kthvalue without keepdim). Coupled dims are whole."""
-    if isinstance(out, (tuple, list)):
-        return c.rebuild(out, [_wrap_like(o, x, dims, mesh) for o in out])
-    if not isinstance(out, torch.Tensor):
-        return out
-    lay = x._layout
-    if out.ndim == x.ndim:
-        where = {d: d for d in range(x.ndim)}
-    elif out.ndim == x.ndim - len(dims):
-        kept = [d for d in range(x.ndim) if d not in dims]
+def _steps(layout, target, cause, before=()):
+    """A plan's move from ``layout`` to ``target`` after the steps ``before``: the steps
+    (None if there are none)."""
+    steps = (*before, (target, cause)) if target != layout else before
+    return steps or None
+
+
+def _layout_like(shape, lay, dims):
+    """A result of global ``shape`` keeps the cuts of ``lay``: on the same dims (softmax,
+    sort, topk ...) or with the coupled dims dropped (median, mode, kthvalue without
+    keepdim). The coupled dims are whole."""
+    n = len(lay.global_shape)
+    if len(shape) == n:
+        where = {d: d for d in range(n)}
+    elif len(shape) == n - len(dims):
+        kept = [d for d in range(n) if d not in dims]
         where = {d: j for j, d in enumerate(kept)}
     else:
-        raise NotImplementedError(f"shardlab: unexpected output rank {out.ndim} for {lay}")
-    places, sizes, atoms, cuts = [], [], [None] * out.ndim, []
-    gshape = list(out.shape)
+        raise NotImplementedError(f"shardlab: unexpected output rank {len(shape)} for {lay}")
+    places, sizes, atoms, cuts = [], [], [None] * len(shape), []
+    gshape = list(shape)
     for m, p in enumerate(lay.placements):
         if isinstance(p, Shard):  # never a coupled dim here
             j = where[p.dim]
@@ -167,24 +174,22 @@ def _wrap_like(out, x, dims, mesh):
             sizes.append(None)
             cuts.append(None)
     if all(a is None or len(a) == 1 for a in atoms):
-        layout = ShardLayout(tuple(gshape), lay.mesh_shape, tuple(places), tuple(sizes))
-    else:
-        layout = ShardLayout(
-            tuple(gshape),
-            lay.mesh_shape,
-            tuple(places),
-            tuple(sizes),
-            tuple(None if a is None or len(a) == 1 else a for a in atoms),
-            tuple(cuts),
-        )
-    return c.wrap(out, mesh, layout)
+        return ShardLayout(tuple(gshape), lay.mesh_shape, tuple(places), tuple(sizes))
+    return ShardLayout(
+        tuple(gshape),
+        lay.mesh_shape,
+        tuple(places),
+        tuple(sizes),
+        tuple(None if a is None or len(a) == 1 else a for a in atoms),
+        tuple(cuts),
+    )
 
 
-def _scan_ok(x, dim) -> bool:
+def _scan_ok(layout, mesh, dim) -> bool:
     """One mesh dim of more than one rank cuts the block dim (one rank: the move to a
     whole dim is free, no scan)."""
-    cut = _cutting(x._layout, [dim])
-    return x._layout.is_block(dim) and len(cut) == 1 and x.device_mesh.shape[cut[0]] > 1
+    cut = _cutting(layout, [dim])
+    return layout.is_block(dim) and len(cut) == 1 and mesh.shape[cut[0]] > 1
 
 
 def _cumsum(x, dim, dtype):
@@ -242,10 +247,18 @@ def _layer_norm_backward(func, args, kwargs):
         return NotImplemented
     mesh, lay = x.device_mesh, x._layout
     cause = "native_layer_norm_backward.align"
+    mask = args[7] if len(args) > 7 else [True] * 3
+    summed = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in lay.placements)
+    if all(mask) and weight is not None and bias is not None:  # 1. the kernel on the blocks
+        grads = (
+            ShardLayout(tuple(t.shape), lay.mesh_shape, summed, (None,) * len(summed))
+            for t in (weight, bias)
+        )
+        moves = [None if grad._layout == lay else lay] + [None] * (len(args) - 1)
+        return Plan(mesh, (lay, *grads), moves, cause)
     moved = c.move(grad, lay, cause)  # cut like the input (from Replicate: a slice)
     local_args, _ = c.locals_of(([moved, *args[1:]], {}))
     dx, dw, db = func(*local_args)
-    summed = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in lay.placements)
     outs = [c.wrap(dx, mesh, lay) if dx is not None else None]
     for g in (dw, db):
         outs.append(
@@ -255,9 +268,6 @@ def _layer_norm_backward(func, args, kwargs):
                 g, mesh, ShardLayout(tuple(g.shape), lay.mesh_shape, summed, (None,) * len(summed))
             )
         )
-    if all(o is not None for o in outs):  # the kernel on the blocks: kept per signature
-        layouts = tuple(o._layout for o in outs)
-        c.keep_moves(func, args, kwargs, {0: moved}, outs[0], mesh, layouts, cause)
     return tuple(outs)
 
 

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.engine import _common as c
+from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.layout.views import select_dims_layout
@@ -19,16 +20,16 @@ aten = torch.ops.aten
 
 @register(aten.embedding.default)
 def _embedding(func, args, kwargs):
-    weight, indices = given = args[0], args[1]
+    """The plan: the weight's Partial summed, the indices whole where the embedding dim
+    is cut (tensor parallel), then each rank's lookup in its block."""
+    weight, indices = args[0], args[1]
     st = c.ShardTensor
     mesh = c.the_mesh(c.shards_in((weight, indices)))
-    weight = weight if isinstance(weight, st) else c.as_shard(weight, mesh)
-    indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
-    weight = c.reduced(weight, "embedding.partial")
-    wl = weight._layout
+    lay = weight._layout if isinstance(weight, st) else c.replicate_layout(weight.shape, mesh)
+    wl = c.without_partial(lay)
     if any(isinstance(p, Shard) and p.dim == 0 for p in wl.placements):
         return NotImplemented  # vocab-parallel rows: decomposition / fallback
-    il = indices._layout
+    il = indices._layout if isinstance(indices, st) else c.replicate_layout(indices.shape, mesh)
     places, entry = [], []
     for m, (p, q) in enumerate(zip(il.placements, wl.placements)):
         if isinstance(q, Shard):  # embedding dim cut (tensor parallel): indices whole
@@ -37,11 +38,11 @@ def _embedding(func, args, kwargs):
         else:
             places.append(p)
             entry.append(il.sizes[m])
+    moved = None
     if any(isinstance(q, Shard) for q in wl.placements) and any(
         isinstance(p, Shard) for p in il.placements
     ):
-        indices = c.move(indices, c.replicate_layout(indices.shape, mesh), "embedding.align")
-        il = indices._layout
+        il = moved = c.replicate_layout(indices.shape, mesh)
         places = [
             Shard(indices.ndim) if isinstance(q, Shard) else Replicate() for q in wl.placements
         ]
@@ -55,17 +56,10 @@ def _embedding(func, args, kwargs):
         atoms,
         il.cuts,
     )
-    y = c.wrap(func(weight._local_tensor, indices._local_tensor, *args[2:], **kwargs), mesh, out)
-    _keep(y, func, given, (weight, indices), args, kwargs, mesh, out, "embedding.align")
-    return y
-
-
-def _keep(y, func, given, used, args, kwargs, mesh, layout, cause) -> None:
-    """Keep the decision for the signature: the first two arguments were ``given``, the
-    op ran on ``used``; the second may have moved (with the label ``cause``), the first
-    not (its moves have another label)."""
-    if used[0] is given[0] or used[0]._local_tensor is given[0]:
-        c.keep_moves(func, args, kwargs, {1: used[1]}, y, mesh, layout, cause)
+    moves = [((wl, "embedding.partial"),) if wl != lay else None]
+    moves += [((moved, "embedding.align"),) if moved is not None else None]
+    moves += [None] * (len(args) - 2 + len(kwargs))
+    return Plan(mesh, out, moves)
 
 
 @register(aten.embedding_dense_backward.default)
@@ -75,25 +69,25 @@ def _embedding_backward(func, args, kwargs):
     grad, indices, num_weights, padding_idx, scale_by_freq = args[:5]
     if scale_by_freq:
         return NotImplemented
-    given = (grad, indices)
     mesh = c.the_mesh(c.shards_in((grad, indices)))
     st = c.ShardTensor
-    indices = indices if isinstance(indices, st) else c.as_shard(indices, mesh)
-    grad = c.reduced(grad, "embedding_backward.partial")
+    gl = grad._layout if isinstance(grad, st) else c.replicate_layout(grad.shape, mesh)
+    part = c.without_partial(gl)
     lead = list(range(indices.ndim))
-    if any(isinstance(p, Shard) and p.dim == indices.ndim for p in grad._layout.placements):
+    if any(isinstance(p, Shard) and p.dim == indices.ndim for p in part.placements):
         return NotImplemented
-    tokens = select_dims_layout(grad._layout, lead)  # the (B, S) of grad's (B, S, D)
-    indices = c.move(indices, tokens, "embedding_backward.align")
-    y = func(grad._local_tensor, indices._local_tensor, *args[2:], **kwargs)
+    tokens = select_dims_layout(part, lead)  # the (B, S) of grad's (B, S, D)
+    il = indices._layout if isinstance(indices, st) else c.replicate_layout(indices.shape, mesh)
     places = [
         Partial() if isinstance(p, Shard) and p.dim in lead else Replicate()
-        for p in grad._layout.placements
+        for p in part.placements
     ]
-    out = ShardLayout(tuple(y.shape), grad._layout.mesh_shape, tuple(places), (None,) * mesh.ndim)
-    y = c.wrap(y, mesh, out)
-    _keep(y, func, given, (grad, indices), args, kwargs, mesh, out, "embedding_backward.align")
-    return y
+    shape = (num_weights, grad.shape[-1])
+    out = ShardLayout(shape, part.mesh_shape, tuple(places), (None,) * mesh.ndim)
+    moves = [((part, "embedding_backward.partial"),) if part != gl else None]
+    moves += [((tokens, "embedding_backward.align"),) if tokens != il else None]
+    moves += [None] * (len(args) - 2 + len(kwargs))
+    return Plan(mesh, out, moves)  # each rank's rows of the gradient: a Partial sum
 
 
 @register(aten.index.Tensor)

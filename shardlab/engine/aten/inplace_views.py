@@ -52,5 +52,4 @@ def inplace_view(func, args, kwargs, dispatch):
     if tuple(x.shape) != tuple(view.shape):  # never: the same op, twice
         raise RuntimeError(f"shardlab internal error: {func} gave {tuple(x.shape)}")
     x._local_tensor, x._spec, x._layout = view._local_tensor, view._spec, view._layout  # 3.
-    x.__dict__.pop("_decided", None)  # (x's write-back, if a copied view: its memory stays)
     return x

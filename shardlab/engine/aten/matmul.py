@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from shardlab.engine import _common as c
+from shardlab.engine.rule import Plan
 from shardlab.layout.matmul import mm_strategies
 from shardlab.layout.moves import move_cost
 
@@ -32,9 +33,6 @@ def _mm(func, args, kwargs):
     ta, tb, out = min(
         options, key=lambda o: move_cost(a._layout, o[0]) + move_cost(b._layout, o[1])
     )
-    cause = f"{c.op_name(func)}.align"
-    if not all(isinstance(t, st) for t in args[:2]) or kwargs:
-        a, b = c.move(a, ta, cause), c.move(b, tb, cause)
-        return c.wrap(func(a._local_tensor, b._local_tensor), mesh, out)
     moves = [None if ta == a._layout else ta, None if tb == b._layout else tb]
-    return c.local_call(func, (a, b), {}, mesh, out, moves, cause)
+    moves += [None] * (len(args) + len(kwargs) - 2)
+    return Plan(mesh, out, moves, f"{c.op_name(func)}.align")  # the product of the blocks

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import Partial
 
 from shardlab.engine import _common as c
-from shardlab.engine import decisions
+from shardlab.engine.rule import Plan
 from shardlab.layout.elementwise import restrict, target_from
 from shardlab.layout.moves import move_cost
 
@@ -88,19 +88,14 @@ def keeps_partial(func, args, kwargs, m: int) -> bool:
 _LIKE = {aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like}
 
 
-def pointwise(func, args, kwargs, meta_out=None):
+def pointwise(func, args, kwargs):
+    """The plan: every input moved to the output's layout (restricted to its shape), then
+    the op on the blocks."""
     st = c.ShardTensor
     if func.overloadpacket in _LIKE:  # only the layout of x matters, not its values
         x = args[0]
-        out = func(x._local_tensor, *args[1:], **kwargs)
-        layout = c.without_partial(x._layout)
-        wrapped = c.wrap(out, x.device_mesh, layout)
-        if func.overloadpacket is aten.empty_like:
-            out.zero_()  # replicas must agree
-        else:  # the op on the block as it is: kept per signature (backward's seed)
-            keep = [None] * (len(args) + len(kwargs))
-            decisions.decided(wrapped, func, keep, x.device_mesh, layout)
-        return wrapped
+        local = _Zeroed() if func.overloadpacket is aten.empty_like else None
+        return Plan(x.device_mesh, c.without_partial(x._layout), local=local)
     shards = c.shards_in((args, kwargs))
     mesh = c.the_mesh(shards)
     nm = mesh.ndim
@@ -109,7 +104,6 @@ def pointwise(func, args, kwargs, meta_out=None):
     keep = [keeps_partial(func, args, kwargs, m) for m in range(nm)]
     inplace = c.is_inplace(func)
     cause = f"{c.op_name(func)}.align"
-    out_arg = None
     if not inplace and c.written_args(func):  # ``out=``: written where it is, as self is
         out_arg = kwargs.get("out")
         if (
@@ -118,9 +112,10 @@ def pointwise(func, args, kwargs, meta_out=None):
             or any(isinstance(p, Partial) for p in out_arg._layout.placements)
         ):
             return NotImplemented  # (the fallback writes it back)
-    if out_arg is not None:
-        target = out_arg._layout  # the inputs move to it; out does not move
-    elif inplace:
+        local_args, local_kwargs = _moved_locals(args, kwargs, out_arg._layout, mesh, cause)
+        func(*local_args, **local_kwargs)  # the inputs moved to out's layout; out stays
+        return out_arg
+    if inplace:
         self = args[0]
         if not isinstance(self, st):
             return NotImplemented  # a plain tensor written: the whole-tensor fallback
@@ -132,52 +127,66 @@ def pointwise(func, args, kwargs, meta_out=None):
         if reduce:  # not linear in a Partial self: on its reduced value, then written back
             work = c.move(self, c.without_partial(self._layout, reduce), cause)
             rest = [work if a is self else a for a in args[1:]]
-            pointwise(func, (work, *rest), {k: work if v is self else v for k, v in kwargs.items()})
+            kw = {k: work if v is self else v for k, v in kwargs.items()}
+            _run_on_blocks(func, (work, *rest), kw)
             c.write_partial(self, work._local_tensor)
             return self
         target = self._layout
-    else:
+    else:  # 1. the output's layout: the candidate that moves the fewest elements
         candidates = []
         for s in shards:
             t = target_from(s._layout, out_shape, keep)
             if t not in candidates:
                 candidates.append(t)
         target = min(candidates, key=lambda t: _cost(t, shards, nm))
-    local_args, local_kwargs = _moved_locals(args, kwargs, target, mesh, cause)
-    result = func(*local_args, **local_kwargs)
-    if inplace:
-        return args[0]
-    if out_arg is not None:
-        return out_arg
-    return _wrap_all(result, mesh, target)
+    values = (*args, *kwargs.values())
+    if not _tensors_only(func) or any(
+        isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a) for a in values
+    ):  # (tensors inside a list, a result that is not a tensor: no plan for them)
+        local_args, local_kwargs = _moved_locals(args, kwargs, target, mesh, cause)
+        out = _wrap_all(func(*local_args, **local_kwargs), mesh, target)
+        return args[0] if inplace else out
+    moves = [_move(a, target, nm, mesh) for a in values]  # 2. each input to the target
+    if inplace and moves[0] is not None:
+        return NotImplemented  # (never: self keeps its layout)
+    n = len(func._schema.returns)  # (frexp: two results, each laid out as the output)
+    outs = (target,) * n if n > 1 and not inplace else target
+    return Plan(mesh, outs, moves, cause, inplace=inplace)  # 3. the op on the blocks
 
 
-def replay(func, args, kwargs, out):
-    """For :mod:`shardlab.engine.decisions`: ``(moves, mesh, target, cause)`` that replay
-    this call (``out`` its result; in place: the first argument, written): what each
-    argument became before the local call, or None when the call cannot be replayed that
-    way (``*_like``, several results, tensors inside lists)."""
-    st = c.ShardTensor
-    if func.overloadpacket in _LIKE or type(out) is not st:
-        return None
-    if c.is_inplace(func) and out is not args[0]:
-        return None
-    mesh, target = out.device_mesh, out._layout
-    nm = mesh.ndim
-    moves = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a):
-            return None
-        if isinstance(a, st):
-            part = [isinstance(p, Partial) for p in a._layout.placements]
-            need = restrict(target, a.shape, part)
-            moves.append(None if need == a._layout else need)
-        elif isinstance(a, torch.Tensor) and a.ndim > 0:
-            need = restrict(target, a.shape, [False] * nm)
-            moves.append(None if need == c.replicate_layout(a.shape, mesh) else need)
-        else:
-            moves.append(None)
-    return moves, mesh, target, f"{c.op_name(func)}.align"
+def _tensors_only(func) -> bool:
+    """Does ``func`` return tensors only (``equal`` returns a bool)?"""
+    return all(isinstance(r.type, torch.TensorType) for r in func._schema.returns)
+
+
+class _Zeroed:
+    """``empty_like`` on a block: zeros (replicas must agree)."""
+
+    __slots__ = ()
+
+    def __call__(self, args, kwargs):
+        return aten.zeros_like.default(*args, **kwargs)
+
+
+def _move(a, target, nm, mesh):
+    """What argument ``a`` becomes before the op: None (as it is), or its layout."""
+    if isinstance(a, c.ShardTensor):
+        part = [isinstance(p, Partial) for p in a._layout.placements]
+        need = restrict(target, a.shape, part)
+        return None if need == a._layout else need
+    if isinstance(a, torch.Tensor) and a.ndim > 0:
+        need = restrict(target, a.shape, [False] * nm)
+        return None if need == c.replicate_layout(a.shape, mesh) else need
+    return None
+
+
+def _run_on_blocks(func, args, kwargs) -> None:
+    """The (in-place) op on the blocks once every input is moved to ``args[0]``'s layout."""
+    target = args[0]._layout
+    local_args, local_kwargs = _moved_locals(
+        args, kwargs, target, args[0].device_mesh, f"{c.op_name(func)}.align"
+    )
+    func(*local_args, **local_kwargs)
 
 
 def _cost(target, shards, nm) -> int:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.comm import collectives
 from shardlab.engine import _common as c
+from shardlab.engine.rule import Plan
 from shardlab.layout.elementwise import reduce_layout
 from shardlab.trace import label
 
@@ -42,12 +43,25 @@ def _cut(layout, dims) -> list[int]:
 
 def _keep_only(x, kind: str | None, cause: str):
     """Reduce the Partial mesh dims of ``x`` except those of ``kind`` (which pass through)."""
+    target = _kept(x._layout, kind)
+    return x if target is x._layout else c.move(x, target, cause)
+
+
+def _kept(layout, kind: str | None):
+    """``layout`` with its Partial mesh dims reduced, except those of ``kind``."""
     bad = [
         m
-        for m, p in enumerate(x._layout.placements)
+        for m, p in enumerate(layout.placements)
         if isinstance(p, Partial) and (kind is None or p != Partial(kind))
     ]
-    return c.reduced(x, cause, bad) if bad else x
+    return c.without_partial(layout, bad) if bad else layout
+
+
+def _first_moves(x, target, args, kwargs):
+    """A plan's moves when only its first argument, ``x``, may move (to ``target``)."""
+    if target is x._layout:
+        return None
+    return (target,) + (None,) * (len(args) + len(kwargs) - 1)
 
 
 def _arg(args, kwargs, i, name, default):
@@ -56,21 +70,17 @@ def _arg(args, kwargs, i, name, default):
 
 @register(aten.sum.default, aten.sum.dim_IntList)
 def _sum(func, args, kwargs):
-    x = _keep_only(args[0], "sum", "sum.reduce")
+    """The sum of each block: over a cut dim, ``Partial(sum)`` (summed when read)."""
+    x = args[0]
+    lay = _kept(x._layout, "sum")  # 1. any other Partial summed first
     if func is aten.sum.default:
-        dims, keepdim, dtype = _dims(x, None), False, _arg(args, kwargs, 1, "dtype", None)
+        dims, keepdim = _dims(x, None), False
     else:
         dims = _dims(x, _arg(args, kwargs, 1, "dim", None))
-        keepdim, dtype = _arg(args, kwargs, 2, "keepdim", False), kwargs.get("dtype")
-    layout = reduce_layout(x._layout, dims, keepdim, "sum")
-    if dims and x is args[0]:  # the op itself on the block (a cut dim: its Partial sum)
-        return c.local_call(func, args, kwargs, x.device_mesh, layout)
-    local = (
-        aten.sum.dim_IntList(x._local_tensor, dims, keepdim, dtype=dtype)
-        if dims
-        else (x._local_tensor.clone() if dtype is None else x._local_tensor.to(dtype))
-    )
-    return c.wrap(local, x.device_mesh, layout)
+        keepdim = _arg(args, kwargs, 2, "keepdim", False)
+    layout = reduce_layout(lay, dims, keepdim, "sum")
+    moves = _first_moves(x, lay, args, kwargs)
+    return Plan(x.device_mesh, layout, moves, "sum.reduce")  # 2. the op on each block
 
 
 @register(aten.mean.default, aten.mean.dim)
@@ -88,8 +98,7 @@ def _mean(func, args, kwargs):
         and not any(isinstance(p, Partial) for p in x._layout.placements)
         and not _cut(x._layout, dims)
     ):  # no cut dim reduced: the op itself on the block
-        layout = reduce_layout(x._layout, dims, keepdim, "sum")
-        return c.local_call(func, args, kwargs, x.device_mesh, layout)
+        return Plan(x.device_mesh, reduce_layout(x._layout, dims, keepdim, "sum"))
     count = 1
     for d in dims:
         count *= x.shape[d]
@@ -106,31 +115,42 @@ def _identity(dtype, is_max: bool):
     return info.min if is_max else info.max
 
 
-def _local_extreme(local, x, dims, keepdim, is_max):
-    """amax/amin of the local block; an empty block (globally non-empty) gives the identity."""
-    if any(local.shape[d] == 0 and x.shape[d] > 0 for d in dims):
-        shape = [1 if d in dims else n for d, n in enumerate(local.shape)]
-        if not keepdim:
-            shape = [n for d, n in enumerate(shape) if d not in dims]
-        return torch.full(
-            shape, _identity(local.dtype, is_max), dtype=local.dtype, device=local.device
-        )
-    fn = torch.amax if is_max else torch.amin
-    return fn(local, dim=dims, keepdim=keepdim) if dims else local.clone()
+class _Extreme:
+    """amax/amin of a block over ``dims``; an empty block (of a non-empty global tensor)
+    gives the identity (-inf for max), which the ranks' Partial then ignores."""
+
+    __slots__ = ("dims", "keepdim", "is_max", "shape")
+
+    def __init__(self, dims, keepdim, is_max, shape):
+        self.dims, self.keepdim, self.is_max, self.shape = dims, keepdim, is_max, shape
+
+    def __call__(self, args, kwargs):
+        local, dims, keepdim = args[0], self.dims, self.keepdim
+        if any(local.shape[d] == 0 and self.shape[d] > 0 for d in dims):
+            shape = [1 if d in dims else n for d, n in enumerate(local.shape)]
+            if not keepdim:
+                shape = [n for d, n in enumerate(shape) if d not in dims]
+            fill = _identity(local.dtype, self.is_max)
+            return torch.full(shape, fill, dtype=local.dtype, device=local.device)
+        fn = torch.amax if self.is_max else torch.amin
+        return fn(local, dim=dims, keepdim=keepdim) if dims else local.clone()
 
 
 @register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
 def _extreme(func, args, kwargs):
+    """The extreme of each block: over a cut dim, ``Partial(max|min)``."""
     is_max = func in (aten.amax.default, aten.max.default)
     kind = "max" if is_max else "min"
-    x = _keep_only(args[0], kind, f"{kind}.reduce")
+    x = args[0]
+    lay = _kept(x._layout, kind)
     if func in (aten.max.default, aten.min.default):
         dims, keepdim = _dims(x, None), False
     else:
         dims = _dims(x, _arg(args, kwargs, 1, "dim", None))
         keepdim = _arg(args, kwargs, 2, "keepdim", False)
-    local = _local_extreme(x._local_tensor, x, dims, keepdim, is_max)
-    return c.wrap(local, x.device_mesh, reduce_layout(x._layout, dims, keepdim, kind))
+    local = _Extreme(dims, keepdim, is_max, tuple(x.shape))
+    layout = reduce_layout(lay, dims, keepdim, kind)
+    return Plan(x.device_mesh, layout, _first_moves(x, lay, args, kwargs), f"{kind}.reduce", local)
 
 
 def _all_reduce_over(t, mesh, mesh_dims, op, cause):
@@ -187,6 +207,9 @@ def _arg_extreme(func, args, kwargs):
     cut = _cut(x._layout, dims)
     mesh = x.device_mesh
     with_values = func in (aten.max.dim, aten.min.dim)
+    if not cut and x is args[0]:  # the op on each block
+        layout = reduce_layout(x._layout, dims, keepdim)
+        return Plan(mesh, (layout, layout) if with_values else layout)
     if not cut:
         out = func(x._local_tensor, *args[1:], **kwargs)
         layout = reduce_layout(x._layout, dims, keepdim)
@@ -290,8 +313,6 @@ def _local_if_uncut(func, args, kwargs):
     keepdim = False if keep_at is None else _arg(args, kwargs, keep_at, "keepdim", False)
     if _cut(x._layout, dims) or any(isinstance(p, Partial) for p in x._layout.placements):
         return NotImplemented  # -> decomposition into sums and maxima
-    out = func(x._local_tensor, *args[1:], **kwargs)
     layout = reduce_layout(x._layout, dims, keepdim)
-    if isinstance(out, tuple):
-        return tuple(c.wrap(o, x.device_mesh, layout) for o in out)
-    return c.wrap(out, x.device_mesh, layout)
+    many = len(func._schema.returns) > 1  # (var_mean, std_mean)
+    return Plan(x.device_mesh, (layout, layout) if many else layout)  # the op on each block

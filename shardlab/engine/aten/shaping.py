@@ -16,8 +16,8 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 
 from shardlab.engine import _common as c
-from shardlab.engine import decisions, plans
-from shardlab.engine.decisions import BLOCKS
+from shardlab.engine import plans
+from shardlab.engine.rule import BLOCKS, Plan
 from shardlab.layout import ShardLayout, chunk_sizes, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.layout.strides import stride_like
@@ -44,25 +44,29 @@ def _cat(func, args, kwargs):
     cause = "cat.align"
     given = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0 and ref.ndim > 1)]
     tensors = given  # torch.cat skips 1-D empty tensors (a cache's first step), so do we
-    tensors = [
-        c.reduced(t if isinstance(t, c.ShardTensor) else c.as_shard(t, mesh), "cat.partial")
-        for t in tensors
-    ]
-    lay = c.reduced(ref, "cat.partial")._layout
+    lay = c.without_partial(ref._layout)
     cut = _cutters(lay, dim)
     if cut and (len(cut) > 1 or not lay.is_block(dim)):
         lay = moves.replicated(lay, cut)
         cut = []
     if not cut:
         out_layout = lay.replace(global_shape=_cat_shape(tensors, dim))
+        if all(
+            type(t) is c.ShardTensor and t._layout == restrict(lay, t.shape, [False] * mesh.ndim)
+            for t in tensors
+        ):  # every block as it is (a skipped empty tensor is skipped by torch.cat on the
+            # blocks too): the op on the lists of blocks
+            return Plan(mesh, out_layout, [BLOCKS] + [None] * (len(args) - 1 + len(kwargs)))
+        tensors = [
+            c.reduced(t if isinstance(t, c.ShardTensor) else c.as_shard(t, mesh), "cat.partial")
+            for t in tensors
+        ]
         moved = [c.move(t, restrict(lay, t.shape, [False] * mesh.ndim), cause) for t in tensors]
-        out = c.wrap(torch.cat([t._local_tensor for t in moved], dim), mesh, out_layout)
-        if all(m is t for m, t in zip(moved, given)):
-            # every block as it is (nothing reduced or moved; a skipped empty tensor is
-            # skipped by torch.cat on the blocks too): kept per signature
-            keep = [BLOCKS] + [None] * (len(args) - 1 + len(kwargs))
-            decisions.decided(out, func, keep, mesh, out_layout)
-        return out
+        return c.wrap(torch.cat([t._local_tensor for t in moved], dim), mesh, out_layout)
+    tensors = [
+        c.reduced(t if isinstance(t, c.ShardTensor) else c.as_shard(t, mesh), "cat.partial")
+        for t in tensors
+    ]
     (m,) = cut
     # 1. output sizes: rank k keeps as many rows as it holds of the inputs cut like ref
     parts = []
@@ -226,10 +230,9 @@ def _slice_backward(func, args, kwargs):
         first = (start - lo) if not cut else (start + _first_index(lay, dim, coord) * step - lo)
         idx = (slice(None),) * dim + (slice(first, first + (got - 1) * step + 1, step),)
     local = plans.LocalSliceBackward(out.local_shape(coord), idx)
-    y = c.wrap(local([grad._local_tensor], {}), mesh, out)
-    if grad is given:  # the gradient's block as it is: kept per signature
-        decisions.decided(y, func, [None] * (len(args) + len(kwargs)), mesh, out, local=local)
-    return y
+    if grad is given:  # the gradient's block as it is: the plan
+        return Plan(mesh, out, local=local)
+    return c.wrap(local([grad._local_tensor], {}), mesh, out)
 
 
 def _first_index(lay, dim, coord) -> int:

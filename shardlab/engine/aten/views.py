@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from shardlab.engine import _common as c
-from shardlab.engine.decisions import decided
 from shardlab.engine.plans import LocalExpand, LocalReshape, LocalSlice, LocalView
+from shardlab.engine.rule import Plan
 from shardlab.layout import moves
 from shardlab.layout.views import (
     Blocked,
@@ -52,19 +52,13 @@ def _unblocked(x, rule, what: str, tries: int = 4):
     return x, rule(x._layout)
 
 
-def view_to(x, shape, what: str = "view", copy: bool = False, op=None):
+def view_to(x, shape, what: str = "view", copy: bool = False):
     """``x`` viewed as ``shape`` (a ShardTensor), moving it first only if it must. If it
-    had to (or the block was not viewable), the result writes back into ``x``.
-    ``op``: ``(func, n_args)``, ``x`` being the first of the op's ``n_args`` arguments: a
-    view of the block as it is is kept for the op's signature (:mod:`.decisions`)."""
+    had to (or the block was not viewable), the result writes back into ``x``."""
     shape = _resolve(shape, x.numel())
     base = x
-    if x._layout.is_whole():  # every rank holds all of it: any whole layout is its view
-        try:
-            out = view_layout(x._layout, shape)
-        except Blocked:  # a cut of one rank in the way: no move, Replicate says the same
-            out = c.replicate_layout(shape, x.device_mesh)
-    else:
+    out = _whole_view(x._layout, shape, x.device_mesh)
+    if out is None:
         x, out = _unblocked(x, lambda lay: view_layout(lay, shape), what)
     local_shape = out.local_shape(c.me(x.device_mesh))
     local = x._local_tensor
@@ -80,10 +74,54 @@ def view_to(x, shape, what: str = "view", copy: bool = False, op=None):
             return c.copied_local(y, base)
     if x is not base and not copy:
         return c.moved_view(y, base, x) if viewed else y
-    if op is not None and x is base:  # each block viewed (reshaped) as it is: kept
-        local = LocalView(local_shape) if viewed else LocalReshape(local_shape)
-        decided(y, op[0], [None] * op[1], x.device_mesh, out, local=local)
     return y
+
+
+def _whole_view(layout, shape, mesh):
+    """The view's layout when every rank holds all of it (any whole layout is its view),
+    else None."""
+    if not layout.is_whole():
+        return None
+    try:
+        return view_layout(layout, shape)
+    except Blocked:  # a cut of one rank in the way: no move, Replicate says the same
+        return c.replicate_layout(shape, mesh)
+
+
+def view_plan(func, x, shape, copy: bool = False):
+    """The plan of ``x`` viewed (``copy``: reshaped) as ``shape`` when no move is needed:
+    each rank views its own block as its extent of the result. None when ``x`` must
+    move first (:func:`view_to` then)."""
+    shape = _resolve(shape, x.numel())
+    out = _whole_view(x._layout, shape, x.device_mesh)
+    if out is None:
+        try:
+            out = view_layout(x._layout, shape)
+        except Blocked:
+            return None
+    local_shape = out.local_shape(c.me(x.device_mesh))
+    if copy:
+        return Plan(x.device_mesh, out, local=LocalReshape(local_shape))
+    # a block whose strides allow no view: a copy that writes back (not kept)
+    return Plan(x.device_mesh, out, local=LocalView(local_shape), otherwise=_Copied(shape))
+
+
+class _Copied:
+    """A view of a block that cannot be viewed: :func:`view_to`'s copy."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def __call__(self, func, args, kwargs):
+        return view_to(args[0], self.shape, c.op_name(func))
+
+
+def _viewed(func, x, shape, copy=False):
+    """The plan of the view, or the view itself when ``x`` must move first."""
+    plan = view_plan(func, x, shape, copy)
+    return plan if plan is not None else view_to(x, shape, c.op_name(func), copy)
 
 
 @register(
@@ -97,8 +135,7 @@ def _view(func, args, kwargs):
     if func is aten.view_copy.default:  # a new tensor, never an alias of the input's block
         y = view_to(args[0], args[1], c.op_name(func), copy=True)
         return c.wrap(y._local_tensor.clone(), y.device_mesh, y._layout)
-    copy = func is aten.reshape.default
-    return view_to(args[0], args[1], c.op_name(func), copy, (func, len(args) + len(kwargs)))
+    return _viewed(func, args[0], args[1], copy=func is aten.reshape.default)
 
 
 @register(aten.unsqueeze.default)
@@ -106,7 +143,7 @@ def _unsqueeze(func, args, kwargs):
     x, dim = args[0], args[1] % (args[0].ndim + 1)
     shape = list(x.shape)
     shape.insert(dim, 1)
-    return view_to(x, shape, "unsqueeze", op=(func, len(args) + len(kwargs)))
+    return _viewed(func, x, shape)
 
 
 @register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
@@ -119,22 +156,25 @@ def _squeeze(func, args, kwargs):
         dims = [dims] if isinstance(dims, int) else dims
     drop = {d % max(x.ndim, 1) for d in dims if x.ndim and x.shape[d % x.ndim] == 1}
     shape = [n for d, n in enumerate(x.shape) if d not in drop]
-    return view_to(x, shape, "squeeze", op=(func, len(args) + len(kwargs)))
+    return _viewed(func, x, shape)
 
 
 @register(aten.expand.default, aten.expand_copy.default)
 def _expand(func, args, kwargs):
     x, shape = args[0], list(args[1])
-    base = x
+    if func is aten.expand.default:
+        try:  # each block expanded as it is
+            out = expand_layout(x._layout, shape)
+        except Blocked:
+            pass
+        else:
+            local = LocalExpand(out.local_shape(c.me(x.device_mesh)))
+            return Plan(x.device_mesh, out, local=local)
     x, out = _unblocked(x, lambda lay: expand_layout(lay, shape), "expand")
-    local = LocalExpand(out.local_shape(c.me(x.device_mesh)))
-    y = local((x._local_tensor,), {})
+    y = LocalExpand(out.local_shape(c.me(x.device_mesh)))((x._local_tensor,), {})
     if func is aten.expand_copy.default:
-        return c.wrap(y.clone(), x.device_mesh, out)
-    y = c.wrap(y, x.device_mesh, out)
-    if x is base:  # each block expanded as it is: kept per signature
-        decided(y, func, [None] * (len(args) + len(kwargs)), x.device_mesh, out, local=local)
-    return y
+        y = y.clone()
+    return c.wrap(y, x.device_mesh, out)
 
 
 @register(aten.expand_as.default)
@@ -161,7 +201,7 @@ def _permute(func, args, kwargs):
             d0, d1 = d0 % max(n, 1), d1 % max(n, 1)
             perm[d0], perm[d1] = perm[d1], perm[d0]
     # the local op with the same arguments permutes the block the same way
-    return c.local_call(func, args, kwargs, x.device_mesh, permute_layout(x._layout, perm))
+    return Plan(x.device_mesh, permute_layout(x._layout, perm))
 
 
 def _bounds(n: int, start, end, step) -> tuple[int, int, int]:
@@ -173,9 +213,9 @@ def _bounds(n: int, start, end, step) -> tuple[int, int, int]:
     return start, max(end, start), step
 
 
-def slice_of(x, dim: int, start, end, step: int = 1, op=None):
+def slice_of(x, dim: int, start, end, step: int = 1, plan: bool = False):
     """``x[..., start:end:step, ...]`` along ``dim``: each rank slices its own block.
-    ``op``: as for :func:`view_to` (the slice of the block as it is is kept)."""
+    ``plan``: the plan of it instead when ``x`` need not move first."""
     dim %= x.ndim
     start, end, step = _bounds(x.shape[dim], start, end, step)
 
@@ -199,12 +239,10 @@ def slice_of(x, dim: int, start, end, step: int = 1, op=None):
         local = LocalSlice(dim, first - o, min(end, o + n) - o, step)
     else:
         local = LocalSlice(dim, start, end, step)
+    if plan and x is base:  # this rank's slice of its block as it is
+        return Plan(x.device_mesh, out, local=local)
     y = c.wrap(local((x._local_tensor,), {}), x.device_mesh, out)
-    if x is not base:
-        return c.moved_view(y, base, x)
-    if op is not None:  # this rank's slice of its block as it is: kept per signature
-        decided(y, op[0], [None] * op[1], x.device_mesh, out, local=local)
-    return y
+    return c.moved_view(y, base, x) if x is not base else y
 
 
 @register(aten.slice.Tensor, aten.slice_copy.Tensor)
@@ -215,7 +253,7 @@ def _slice(func, args, kwargs):
     end = args[3] if len(args) > 3 else kwargs.get("end")
     step = args[4] if len(args) > 4 else kwargs.get("step", 1)
     if func is aten.slice.Tensor:
-        return slice_of(x, dim, start, end, step, (func, len(args) + len(kwargs)))
+        return slice_of(x, dim, start, end, step, plan=True)
     y = slice_of(x, dim, start, end, step)
     return c.wrap(y._local_tensor.clone(), y.device_mesh, y._layout)
 

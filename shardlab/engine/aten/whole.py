@@ -12,8 +12,8 @@ every call: ~700 µs for ``torch.batch_norm`` on one rank, where the kernel take
 
 A result keeps the placements of an argument with as many dims, preferring one that is
 ``Shard`` somewhere (``Shard`` on a mesh dim of one rank stays ``Shard``), else it is
-``Replicate``. Its decision
-is kept per signature like a rule's (:func:`~shardlab.engine.decisions.decided`).
+``Replicate``. It is a
+plan like a rule's (:class:`~shardlab.engine.rule.Plan`), kept per signature.
 
 Not for: ops that write an argument, random ops (their rules define the draws), views
 (their global strides are the dispatcher's, not the block's), ops whose results are not
@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.engine import _common as c
-from shardlab.engine import decisions
+from shardlab.engine.rule import BLOCKS, Plan
 from shardlab.layout import ShardLayout
 
 __all__ = ["on_blocks", "whole_arguments"]
@@ -39,47 +39,28 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def on_blocks(func, args, kwargs, meta):
-    """``func`` on the blocks, its results wrapped whole; None when it does not apply."""
+    """The plan "``func`` on the blocks, its results whole"; None when it does not apply."""
     if meta is None or not _eligible(func):
         return None
     metas = meta if isinstance(meta, (list, tuple)) else (meta,)
-    if not metas or not all(isinstance(m, torch.Tensor) for m in metas):
+    if not metas or not all(
+        isinstance(m, torch.Tensor) and m.layout == torch.strided for m in metas
+    ):
         return None
     scanned = whole_arguments(args, kwargs)
     if scanned is None:
         return None
     moves, first, whole = scanned
-    st = c.ShardTensor
-
-    def block(a, move):
-        if move is decisions.BLOCKS:
-            return [t._local_tensor for t in a]
-        return a._local_tensor if type(a) is st else a
-
-    n = len(args)
-    raw = func(
-        *[block(a, moves[i]) for i, a in enumerate(args)],
-        **{k: block(v, moves[n + j]) for j, (k, v) in enumerate(kwargs.items())},
+    layouts = tuple(_layout(whole, tuple(m.shape)) for m in metas)
+    return Plan(
+        first.device_mesh, layouts if isinstance(meta, (list, tuple)) else layouts[0], moves
     )
-    many = isinstance(raw, (list, tuple))
-    outs = tuple(raw) if many else (raw,)
-    if len(outs) != len(metas) or any(
-        not isinstance(o, torch.Tensor) or o.shape != m.shape or o.layout != torch.strided
-        for o, m in zip(outs, metas)
-    ):
-        return None  # not what the op gives on one device: the usual path decides
-    mesh = first.device_mesh
-    layouts = tuple(_layout(whole, tuple(o.shape)) for o in outs)
-    wrapped = tuple(c.wrap(o, mesh, lay) for o, lay in zip(outs, layouts))
-    out = wrapped if many else wrapped[0]
-    decisions.decided(wrapped[0], func, moves, mesh, layouts if many else layouts[0])
-    return out
 
 
 def whole_arguments(args, kwargs):
     """``(moves, first, layouts)`` when every ShardTensor argument (alone or in a list of
     them, cat's) is whole and all are on one mesh: a move per argument (None, or
-    :data:`~shardlab.engine.decisions.BLOCKS` for a list), the first ShardTensor, their
+    :data:`~shardlab.engine.rule.BLOCKS` for a list), the first ShardTensor, their
     layouts; else None (also for another tensor subclass, or a list mixing ShardTensors
     with other things). Plain tensors, alone or in lists, are taken as they are."""
     st = c.ShardTensor
@@ -87,7 +68,7 @@ def whole_arguments(args, kwargs):
     for a in (*args, *kwargs.values()):
         if type(a) in (list, tuple) and any(isinstance(t, torch.Tensor) for t in a):
             if type(a) is list and all(type(t) is st for t in a):
-                sts, move = a, decisions.BLOCKS  # cat's
+                sts, move = a, BLOCKS  # cat's
             elif any(type(t) is st or isinstance(t, DTensor) for t in a):
                 return None  # ShardTensors mixed with other things (index's [None, idx])
             else:
