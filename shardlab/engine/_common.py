@@ -12,7 +12,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab._tree import tree_leaves, tree_map
 from shardlab.comm import p2p
-from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout
 from shardlab.layout.dtensor import layout_of_dtensor
 from shardlab.tensor import submesh
@@ -61,14 +60,6 @@ def wrap(t: torch.Tensor, mesh, layout: ShardLayout):
             f"{layout} (this rank needs {want}); please report it"
         )
     return ShardTensor._wrap(t, mesh, layout)
-
-
-def local_call(func, args, kwargs, mesh, layout: ShardLayout, moves=None, cause="") -> Plan:
-    """The plan "the op on the local blocks, wrapped in ``layout``": for rules whose
-    result is exactly ``func(*blocks)`` once the ShardTensor arguments moved to ``moves``
-    (one entry per positional, then keyword, argument: a layout, or None to keep it as
-    it is)."""
-    return Plan(mesh, layout, moves, cause)
 
 
 def move(x, layout: ShardLayout, cause: str):

@@ -8,7 +8,7 @@ For each op reaching ``ShardTensor.__torch_dispatch__``:
 1. a rule registered for the op (:mod:`shardlab.engine.aten`), or the element-wise rule
    for ops torch tags ``pointwise``;
 2. no rule, and every rank holds every argument whole (a 1-rank mesh, or nothing cut
-   across ranks): torch's op on the blocks, no message (:mod:`.aten.whole`);
+   across ranks): torch's op on the blocks, no message (:mod:`.whole`);
 3. torch's decomposition of the op into simpler ones (each routed here again);
 4. the fallback: the op on whole tensors (:mod:`.aten.fallback`), labelled
    ``whole-tensor fallback for <op>`` in the tracer.
@@ -28,20 +28,20 @@ import torch
 from shardlab import _compat
 from shardlab.comm import traced
 from shardlab.engine import _common as c
-from shardlab.engine import decisions, nograd, plans
+from shardlab.engine import aten as _rules  # noqa: F401  (each family registers its rules)
+from shardlab.engine import decisions, nograd, plans, registry
 from shardlab.engine import meta as _meta
-from shardlab.engine.aten import HANDLERS, register
 from shardlab.engine.aten.fallback import replicate_and_run
 from shardlab.engine.aten.foreach import _ops
 from shardlab.engine.aten.foreach_aligned import aligned
 from shardlab.engine.aten.inplace_views import OUT_OF_PLACE, inplace_view
 from shardlab.engine.aten.pointwise import is_pointwise, pointwise
-from shardlab.engine.aten.whole import on_blocks
 from shardlab.engine.rule import Plan
+from shardlab.engine.whole import on_blocks
 from shardlab.layout import ShardLayout
 from shardlab.tensor.api import ShardTensor
 
-__all__ = ["dispatch", "register"]
+__all__ = ["dispatch", "signature"]
 
 _TABLE = decisions._TABLE  # (read inline: the hit path, and the miss's first steps)
 _DEPTH = decisions._DEPTH
@@ -120,7 +120,7 @@ def _run(func, args, kwargs, meta, written):
     """``(result, what to keep for the signature or None)``, from the first stage that
     takes the call: 1. the op's rule; 2. no rule, every argument whole: the op on the
     blocks; 3. torch's decomposition; 4. the whole-tensor fallback."""
-    rule = HANDLERS.get(func) or HANDLERS.get(func.overloadpacket)
+    rule = registry.rule_for(func)
     if rule is None and is_pointwise(func) and _meta.elementwise_shapes(args, kwargs, meta):
         rule = pointwise
     if rule is not None:

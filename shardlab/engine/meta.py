@@ -37,10 +37,6 @@ def _hint(x):
     return hint
 
 
-class _NoMeta(Exception):
-    pass
-
-
 _META_CACHE: dict = {}
 _META_CACHE_SIZE = 4096
 
@@ -76,19 +72,29 @@ def meta_call(func, args, kwargs):
     repeats them)."""
     try:
         key = (func, _key(args), _key(kwargs), torch.get_default_dtype())  # (int * 0.5)
-        hit = _META_CACHE.get(key)
     except TypeError:  # unhashable: a symbolic size in a shape, say
         return _meta_call(func, args, kwargs)
+    return cached(key, _meta_call, func, args, kwargs)
+
+
+def cached(key, run, *args):
+    """``run(*args)`` once per ``key`` in the one meta cache (aten ops' and the F-level
+    families' meta runs, the meta tensors they read): its result, or torch's error,
+    raised again, the same for the same arguments. Bounded: the oldest entry goes first."""
+    try:
+        hit = _META_CACHE.get(key)
+    except TypeError:  # an unhashable argument: no caching
+        return run(*args)
     if hit is None:
         try:
-            hit = ("ok", _meta_call(func, args, kwargs))
+            hit = ("ok", run(*args))
         except Exception as exc:  # torch's own error: the same for the same arguments
             hit = ("error", exc)
         if len(_META_CACHE) >= _META_CACHE_SIZE:
-            _META_CACHE.clear()
+            del _META_CACHE[next(iter(_META_CACHE))]
         _META_CACHE[key] = hit
     if hit[0] == "error":
-        raise hit[1]
+        raise hit[1].with_traceback(None)
     return hit[1]
 
 

@@ -263,16 +263,6 @@ class ShardLayout:
         """The same indices as ``[start, stop)`` intervals."""
         return dim_intervals(self, tensor_dim, self._coord(coord))
 
-    def dim_key(self, tensor_dim: int) -> tuple:
-        """Hashable description of who holds what along ``tensor_dim``: equal keys (on the
-        same mesh) mean every rank holds the same indices of that dim."""
-        cutters = tuple(
-            (m, self.cut_of(m), self.sizes[m])
-            for m, p in enumerate(self.placements)
-            if isinstance(p, Shard) and p.dim == tensor_dim
-        )
-        return (self.global_shape[tensor_dim], self.dim_atoms(tensor_dim), cutters)
-
     # ------------------------------------------------------------------ queries
     def coords(self) -> list[tuple[int, ...]]:
         """Every mesh coordinate, row-major: (0, 0), (0, 1), ..., (1, 0), ..."""

@@ -2,12 +2,14 @@
 
 Layer 5 (``layout`` → ``comm`` → ``tensor`` → ``engine`` → **ops** → ``patch``): it
 may import everything below it, nothing above. Importing this package imports the engine
-(which installs itself on the class) and registers every handler in :mod:`.registry`,
-and the calls taken over at ``__torch_function__`` (losses, quantiles, ``Tensor.unfold``).
+(which installs itself on the class) and registers every family in the one registry
+(:mod:`shardlab.engine.registry`: ``F.conv2d`` …, and the calls taken over at
+``__torch_function__``: losses, quantiles, ``Tensor.unfold``).
 """
 
 import shardlab.engine  # noqa: F401  (installs the dispatcher on the class)
 from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
+    _attn_fused,
     attention,
     conv,
     cross_entropy,
@@ -23,6 +25,6 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     quantile,
     unfold,
 )
-from shardlab.ops.registry import HANDLERS, register, supported
+from shardlab.ops.registry import register, rule, supported
 
-__all__ = ["HANDLERS", "register", "supported"]
+__all__ = ["register", "rule", "supported"]

@@ -13,7 +13,8 @@ import re
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardlab.layout import ShardLayout, format_sizes
+from shardlab.engine import meta
+from shardlab.layout import ShardLayout
 from shardlab.layout._checks import placement_str
 
 
@@ -64,13 +65,6 @@ def rows_layout(layout: ShardLayout, cd: int) -> ShardLayout:
     return select_dims_layout(rows, [d for d in range(len(layout.global_shape)) if d != cd])
 
 
-def describe(layout: ShardLayout) -> str:
-    return ", ".join(
-        format_sizes(p, layout.sizes_along(p.dim) if isinstance(p, Shard) else None, m)
-        for m, p in enumerate(layout.placements)
-    )
-
-
 def _block_of(t: torch.Tensor, layout: ShardLayout, coord) -> torch.Tensor:
     """The rows of the whole tensor ``t`` that ``layout`` gives the rank at ``coord``."""
     for d in range(t.ndim):
@@ -107,34 +101,19 @@ def local_target(target, input, cd, probs, coord):
         return Redistribute.apply(target, want).to_local()
 
 
-_CHECKED: dict = {}  # the signature of a call -> None or torch's error for it
-
-
 def check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing):
-    """:func:`_check_like_torch`, once per signature (shapes, dtypes, arguments): torch's
-    decompositions on meta tensors cost a millisecond; a training step repeats its calls."""
+    """:func:`_check_like_torch`, once per signature (shapes, dtypes, arguments) in the
+    engine's one meta cache: torch's decompositions on meta tensors cost a millisecond; a
+    training step repeats its calls."""
 
     def sig(t):
         return (tuple(t.shape), t.dtype) if torch.is_tensor(t) else (type(t), t)
 
     with torch._C.DisableTorchFunctionSubclass():  # a ShardTensor's shape: no Python
-        key = (sig(input), sig(target), sig(weight), sig(reduction), sig(ignore_index),
-               sig(label_smoothing))  # fmt: skip
-    try:
-        hit = _CHECKED.get(key, False)
-    except TypeError:  # unhashable: no cache
-        return _check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing)
-    if hit is False:
-        try:
-            _check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing)
-            hit = None
-        except Exception as exc:
-            hit = exc
-        if len(_CHECKED) >= 1024:
-            del _CHECKED[next(iter(_CHECKED))]
-        _CHECKED[key] = hit
-    if hit is not None:
-        raise hit.with_traceback(None)
+        key = ("cross_entropy checks", sig(input), sig(target), sig(weight), sig(reduction),
+               sig(ignore_index), sig(label_smoothing))  # fmt: skip
+    args = (input, target, weight, reduction, ignore_index, label_smoothing)
+    meta.cached(key, _check_like_torch, *args)
 
 
 def _check_like_torch(input, target, weight, reduction, ignore_index, label_smoothing):

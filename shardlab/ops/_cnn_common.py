@@ -24,6 +24,7 @@ from torch.distributed.tensor import Partial, Shard
 from shardlab.comm import collectives, traced
 from shardlab.comm._once import first_order
 from shardlab.comm.recompute import fenced
+from shardlab.engine import meta
 from shardlab.layout._windows import blocks_of
 from shardlab.tensor import grad_sum
 from shardlab.trace import label
@@ -68,54 +69,33 @@ def check_no_partial(name: str, input) -> None:
             )
 
 
-_META: dict = {}
-_META_SIZE = 4096
-
-
 def meta_call(fn, input, *args, **kwargs):
     """``fn`` on a meta tensor of ``input``'s global shape: torch's checks and shapes.
-    Cached by the arguments' shapes, dtypes and values (torch's reference decompositions
-    on meta tensors cost hundreds of microseconds; a training step repeats its calls);
-    the result is only read (shapes), never written."""
-    from shardlab.engine.meta import _key
-
+    Cached by the arguments' shapes, dtypes and values in the engine's one meta cache
+    (torch's reference decompositions on meta tensors cost hundreds of microseconds; a
+    training step repeats its calls); the result is only read (shapes), never written."""
     try:
         with torch._C.DisableTorchFunctionSubclass():  # a ShardTensor's shape: no Python
-            key = (fn, tuple(input.shape), input.dtype, _key(args), _key(kwargs))
-        hash(key)
+            key = (fn, tuple(input.shape), input.dtype, meta._key(args), meta._key(kwargs))
     except TypeError:
         return _meta_run(fn, input, args, kwargs)
-    hit = _META.get(key)
-    if hit is None:
-        try:
-            hit = ("ok", _meta_run(fn, input, args, kwargs))
-        except Exception as exc:  # torch's own error: the same for the same arguments
-            hit = ("error", exc)
-        if len(_META) >= _META_SIZE:
-            del _META[next(iter(_META))]
-        _META[key] = hit
-    if hit[0] == "error":
-        raise hit[1].with_traceback(None)
-    return hit[1]
+    return meta.cached(key, _meta_run, fn, input, args, kwargs)
 
 
 def meta_like(t):
     """A meta tensor of ``t``'s global shape and dtype (None stays None); one per shape
-    and dtype (they are only read: :func:`meta_call`'s keys and checks)."""
+    and dtype, in the one meta cache (they are only read: :func:`meta_call`'s keys and
+    checks)."""
     if t is None:
         return None
     with torch._C.DisableTorchFunctionSubclass():
-        key = (tuple(t.shape), t.dtype)
-    hit = _META_LIKE.get(key)
-    if hit is None:
-        if len(_META_LIKE) >= _META_SIZE:
-            del _META_LIKE[next(iter(_META_LIKE))]
-        with traced.outside_modes():  # a meta tensor, also while torch.compile traces
-            _META_LIKE[key] = hit = torch.empty(key[0], dtype=key[1], device="meta")
-    return hit
+        key = ("like", tuple(t.shape), t.dtype)
+    return meta.cached(key, _empty_meta, key[1], key[2])
 
 
-_META_LIKE: dict = {}
+def _empty_meta(shape, dtype):
+    with traced.outside_modes():  # a meta tensor, also while torch.compile traces
+        return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _meta_run(fn, input, args, kwargs):
@@ -192,9 +172,6 @@ class RowPlan:
 
     def rows_received(self, r) -> int:
         return sum(b.stop - b.start for b in self.recvs(r))
-
-    def rows_sent(self, r) -> int:
-        return sum(b.stop - b.start for b in self.sends(r))
 
 
 def owners(anchors: torch.Tensor, sizes) -> torch.Tensor:

@@ -64,6 +64,7 @@ from torch.distributed.tensor import Shard
 
 from shardlab.comm.halo import peers_along
 from shardlab.comm.traced import cpu_numbers
+from shardlab.engine import whole
 from shardlab.layout import chunk_sizes, offsets
 from shardlab.layout.strides import stride_like
 from shardlab.ops import _ring_kernels as kernels
@@ -179,6 +180,17 @@ def head_tail():
 
 
 # -- the handler -----------------------------------------------------------------
+def _no_dropout(args, kwargs) -> bool:
+    """Attention's dropout follows shardlab's own mask definition (the same on any mesh,
+    ``ops/_attn_dropout.py``), not torch's generator: only dropout-free calls may take
+    the whole-tensor path (:mod:`shardlab.engine.whole`)."""
+    p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    return p == 0
+
+
+whole.ONLY_IF["scaled_dot_product_attention"] = _no_dropout
+
+
 @register("scaled_dot_product_attention")
 def scaled_dot_product_attention(
     query,

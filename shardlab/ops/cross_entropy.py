@@ -61,6 +61,7 @@ import torch.distributed as dist
 from shardlab.comm import collectives, p2p
 from shardlab.comm._once import first_order
 from shardlab.comm.recompute import fenced, kept
+from shardlab.engine import whole
 from shardlab.ops import _ce_args as ce_args
 from shardlab.ops._cnn_common import cut_once, groups_over
 from shardlab.ops.registry import register
@@ -84,7 +85,19 @@ class _Plan:
     probs: bool  # class-probability targets (same shape as the input)
 
 
-@register("cross_entropy", row_wise=True)
+def _loss_rows(layout, shape):
+    """The per-row losses (``reduction="none"``) of a whole input: the input's layout
+    without the class dim, as the sharded handler gives them
+    (:mod:`shardlab.engine.whole`)."""
+    if len(shape) != len(layout.global_shape) - 1:
+        return None
+    return ce_args.rows_layout(layout, 1 if len(layout.global_shape) > 1 else 0)
+
+
+whole.RESULT["cross_entropy"] = _loss_rows
+
+
+@register("cross_entropy", row_wise=True, at_function=True)
 def cross_entropy(
     input,
     target,

@@ -57,7 +57,7 @@ from shardlab.ops._cnn_common import (
     rewrap,
     spatial_mesh_dims,
 )
-from shardlab.ops.registry import HANDLERS, register
+from shardlab.ops.registry import register, rule
 
 _LINEAR = ("linear", "bilinear", "trilinear")
 _CUBIC_A = -0.75
@@ -81,7 +81,7 @@ def interpolate(
     if align_corners is None:
         align_corners = False  # as torch, for the interpolating modes
     if mode == "area":
-        return HANDLERS[f"adaptive_avg_pool{n}d"](input, list(shape[2:]))
+        return rule(f"adaptive_avg_pool{n}d").handler(input, list(shape[2:]))
     if size is not None or recompute_scale_factor:
         scales = [None] * n
     else:

@@ -1,4 +1,8 @@
-"""``F.linear`` on rows: every ``nn.Linear`` of a sequence- or batch-parallel model.
+"""The matrix products: ``F.linear`` on rows, and aten's ``mm`` / ``bmm`` (what the rest
+decomposes into). The layout arithmetic, which strategies a product has and what each
+moves, is :mod:`shardlab.layout.matmul`.
+
+``F.linear`` on rows: every ``nn.Linear`` of a sequence- or batch-parallel model.
 
 An input ``(*, in_features)`` cut along its leading dims only (the sequence, the batch;
 any sizes, in blocks) and a plain weight and bias (the module's parameters, the same
@@ -22,6 +26,15 @@ Anything else (a cut ``in_features``, a Partial input, a strided dim or one cut 
 mesh dims (flattened image tokens on a 2-D mesh), sharded or DTensor
 weights, a non-contiguous input) goes to torch's ``F.linear`` on the ShardTensors (the
 aten rules); plain DTensors alone (torch's tensor parallelism) stay DTensor's.
+
+``mm`` / ``bmm`` on ShardTensors (``matmul``, ``linear``, ``einsum`` decompose into them).
+
+The strategy (see :mod:`shardlab.layout.matmul`) is the one whose operand moves cost the
+fewest elements; then the product runs on the local blocks. Typical cases, no message::
+
+    x (B*T, C) rows cut  @  W (C, N) whole   ->  y rows cut          (a linear layer)
+    dy^T (N, B*T) @ x (B*T, C), both cut alike on B*T  ->  dW Partial(sum)
+                                             (summed once, when the gradient is read)
 """
 
 from __future__ import annotations
@@ -29,6 +42,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from shardlab.engine import _common as c
+from shardlab.engine.registry import register as _register
+from shardlab.engine.rule import Plan
+from shardlab.layout.matmul import mm_strategies
+from shardlab.layout.moves import move_cost
 from shardlab.ops._cnn_common import summed_grads
 from shardlab.ops.registry import original, register
 
@@ -89,3 +107,23 @@ def linear(input, weight, bias=None):
     w, b = summed_grads([weight, bias], input, "linear.params")  # 3. in backward
     y = torch.nn.functional.linear(ToLocal.apply(input, layout), w, b)  # 1. (*, out)
     return from_layout(y, input.device_mesh, out)  # 2.
+
+
+# -- aten's products ------------------------------------------------------------------
+aten = torch.ops.aten
+
+
+@_register(aten.mm.default, aten.bmm.default)
+def _mm(func, args, kwargs):
+    a, b = args[0], args[1]
+    st = c.ShardTensor
+    mesh = c.the_mesh(c.shards_in((a, b)))
+    a = a if isinstance(a, st) else c.as_shard(a, mesh)
+    b = b if isinstance(b, st) else c.as_shard(b, mesh)
+    options = mm_strategies(a._layout, b._layout, func is aten.bmm.default)
+    ta, tb, out = min(
+        options, key=lambda o: move_cost(a._layout, o[0]) + move_cost(b._layout, o[1])
+    )
+    moves = [None if ta == a._layout else ta, None if tb == b._layout else tb]
+    moves += [None] * (len(args) + len(kwargs) - 2)
+    return Plan(mesh, out, moves, f"{c.op_name(func)}.align")  # the product of the blocks

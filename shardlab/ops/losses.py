@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 
+from shardlab.engine.registry import register
 from shardlab.ops import registry
 from shardlab.ops.autocast import autocast_call
-from shardlab.tensor import entry
 
 __all__ = ["LOSSES", "reduce_loss"]
 
@@ -72,8 +72,6 @@ def reduce_loss(func, args, kwargs):
     :data:`LOSSES`, the call asks for ``reduction='none'``, or it is one torch already writes
     with exact ops.
     """
-    if func is F.cross_entropy:
-        return registry.call("cross_entropy", args, kwargs)
     signature = LOSSES.get(func)
     if signature is None:
         return NotImplemented
@@ -112,4 +110,4 @@ def _exact_mean(func, args, kwargs):
     return autocast_call(func.__name__, func, loss, args, kwargs, device)
 
 
-entry.install(calls=dict.fromkeys([*LOSSES, F.cross_entropy], _exact_mean))
+register(*LOSSES, at_function=True)(_exact_mean)

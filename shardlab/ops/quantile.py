@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate
 
-from shardlab.tensor import entry
+from shardlab.engine.registry import register
 from shardlab.tensor.api import ShardTensor
 from shardlab.tensor.create import distribute
 
@@ -48,4 +48,4 @@ def quantile(func, args, kwargs):
     return distribute(out, mesh, [Replicate()] * mesh.ndim)  # 2.
 
 
-entry.install(calls=dict.fromkeys(QUANTILES, quantile))  # a sort of the whole tensor
+register(*QUANTILES, at_function=True)(quantile)  # a sort of the whole tensor

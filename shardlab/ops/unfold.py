@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 from shardlab.comm.halo import Halo, peers_along
+from shardlab.engine.registry import register as _register
 from shardlab.layout import ShardLayout, conv_plan
 from shardlab.ops._cnn_common import cut_once
 from shardlab.ops.conv import _tuple
 from shardlab.ops.registry import register
-from shardlab.tensor import entry
 from shardlab.tensor.api import ShardTensor
 from shardlab.tensor.create import from_layout
 
@@ -137,4 +137,4 @@ def _unfold_call(func, args, kwargs):
     return tensor_unfold(*args, **kwargs)
 
 
-entry.install(calls={torch.Tensor.unfold: _unfold_call})
+_register(torch.Tensor.unfold, at_function=True)(_unfold_call)

@@ -84,18 +84,6 @@ class ShardTensor(DTensor):
         out._layout = layout
         return out
 
-    def _set_layout(self, layout: ShardLayout) -> None:
-        """Change the layout of this tensor in place (same local shape): an in-place op
-        that had to reduce a Partial value."""
-        self._layout = layout
-        self._spec = _compat.dtensor_spec(
-            self.device_mesh,
-            traced.placements(layout),
-            layout.global_shape,
-            self.stride(),
-            self.dtype,
-        )
-
     @property
     def placements(self) -> tuple:
         """One placement per mesh dim, as DTensor gives them.

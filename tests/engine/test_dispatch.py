@@ -402,7 +402,7 @@ def test_fused_attention_on_a_sequence_cut_by_one_rank(ranks_for, world):
                 fused = {id(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)}
                 kept = fused <= {k[0] for k in decisions._TABLE}
                 if patched and n == 1:  # whole on its rank: F's own call before any aten op
-                    kept = not kept  # (ops/_whole.py), no aten decision at all
+                    kept = not kept  # (engine/whole.py, F level), no aten decision at all
                 res.append(
                     (
                         torch.allclose(got.full_tensor(), want, atol=1e-12),

@@ -72,10 +72,10 @@ def _meta(x):
 
 
 def _rule(func):
-    from shardlab.engine.aten import HANDLERS
     from shardlab.engine.aten.pointwise import is_pointwise, pointwise
+    from shardlab.engine.registry import rule_for
 
-    rule = HANDLERS.get(func) or HANDLERS.get(func.overloadpacket)
+    rule = rule_for(func)
     if rule is None and is_pointwise(func):
         return pointwise
     return rule

@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import shardlab
 from shardlab import distribute, this_rank
-from shardlab.ops import HANDLERS, attention
+from shardlab.ops import attention, supported
 from shardlab.patch import PATCHED_NAMES
 from tests.tensor._cases import random_sizes
 
@@ -309,7 +309,7 @@ class Block(nn.Module):
 
 
 # shardlab.patch routes F.layer_norm, but ops/norm.py may not have its handler yet (issue 6)
-_NO_LAYER_NORM = "layer_norm" in PATCHED_NAMES and "layer_norm" not in HANDLERS
+_NO_LAYER_NORM = "layer_norm" in PATCHED_NAMES and "layer_norm" not in supported()
 _wait_for_norm = pytest.mark.xfail(
     _NO_LAYER_NORM, reason="F.layer_norm is patched without a handler yet", strict=True
 )

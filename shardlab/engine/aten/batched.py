@@ -27,10 +27,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardlab.engine import _common as c
 from shardlab.engine.meta import meta_call
+from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout
-
-from .registry import register
 
 aten = torch.ops.aten
 

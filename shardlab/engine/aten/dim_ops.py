@@ -23,12 +23,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardlab.comm import collectives
 from shardlab.engine import _common as c
 from shardlab.engine.meta import meta_call
+from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.trace import label
-
-from .registry import register
 
 aten = torch.ops.aten
 

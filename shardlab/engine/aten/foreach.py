@@ -43,11 +43,11 @@ from torch.distributed.tensor import Partial
 
 from shardlab.engine import _common as c
 from shardlab.engine.meta import scalars_index
+from shardlab.engine.registry import register
 from shardlab.layout import ShardLayout
 from shardlab.layout.moves import move_cost
 
 from .fallback import replicate_and_run
-from .registry import register
 
 aten = torch.ops.aten
 

@@ -8,12 +8,11 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.engine import _common as c
+from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.layout.views import select_dims_layout
-
-from .registry import register
 
 aten = torch.ops.aten
 

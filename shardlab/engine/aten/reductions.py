@@ -21,11 +21,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.comm import collectives
 from shardlab.engine import _common as c
+from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout.elementwise import reduce_layout
 from shardlab.trace import label
-
-from .registry import register
 
 aten = torch.ops.aten
 

@@ -17,13 +17,13 @@ from torch.distributed.tensor import Partial, Shard
 
 from shardlab.engine import _common as c
 from shardlab.engine import plans
+from shardlab.engine.registry import register
 from shardlab.engine.rule import BLOCKS, Plan
 from shardlab.layout import ShardLayout, chunk_sizes, moves
 from shardlab.layout.elementwise import restrict
 from shardlab.layout.strides import stride_like
 from shardlab.layout.views import clamp_index
 
-from .registry import register
 from .views import slice_of
 
 aten = torch.ops.aten

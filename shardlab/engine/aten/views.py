@@ -14,6 +14,7 @@ import torch
 
 from shardlab.engine import _common as c
 from shardlab.engine.plans import LocalExpand, LocalReshape, LocalSlice, LocalView
+from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import moves
 from shardlab.layout.views import (
@@ -24,8 +25,6 @@ from shardlab.layout.views import (
     slice_layout,
     view_layout,
 )
-
-from .registry import register
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""Torch's own F call when every rank holds the whole tensor (``shardlab/ops/_whole.py``):
+"""Torch's own F call when every rank holds the whole tensor (``shardlab/engine/whole.py``):
 single-device values and gradients, torch's errors and autocast, no message, and the
 sharded handler never called; other layouts still reach the handler."""
 
@@ -11,8 +11,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 import shardlab
 from shardlab import distribute, this_rank
+from shardlab.engine.whole import NAMES, out_layout
 from shardlab.layout import ShardLayout
-from shardlab.ops._whole import NAMES, out_layout
 
 
 # -- the result's layout: a pure function --------------------------------------------
@@ -115,12 +115,13 @@ def _counted(name):
     """Inside: the calls of the sharded handler of ``F.<name>``, in a list."""
     from shardlab.ops import registry
 
-    called, handler = [], registry.HANDLERS[name]
-    registry.HANDLERS[name] = lambda *a, **k: called.append(name) or handler(*a, **k)
+    entry = registry.rule(name)
+    called, handler = [], entry.handler
+    entry.handler = lambda *a, **k: called.append(name) or handler(*a, **k)
     try:
         yield called
     finally:
-        registry.HANDLERS[name] = handler
+        entry.handler = handler
 
 
 def _copy(a, grad: bool):

@@ -1,4 +1,6 @@
-"""torch's fused attention kernels on ShardTensors whose batch or heads are cut.
+"""torch's fused attention kernels (aten) on ShardTensors whose batch or heads are cut:
+the attention family's rule below ``F.scaled_dot_product_attention``
+(:mod:`shardlab.ops.attention`), registered in the one registry.
 
 ``q, k, v (B, H, S, D)`` with B and/or H cut and every sequence whole (cut at most by mesh
 dims of one rank): each rank runs
@@ -17,12 +19,11 @@ import torch
 from torch.distributed.tensor import Shard
 
 from shardlab.engine import _common as c
+from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import moves
 from shardlab.layout.elementwise import restrict, target_from
 from shardlab.layout.views import select_dims_layout
-
-from .registry import register
 
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -1,4 +1,4 @@
-"""An aten op with no rule on tensors every rank holds whole (``shardlab/engine/aten/whole.py``):
+"""An aten op with no rule on tensors every rank holds whole (``shardlab/engine/whole.py``):
 torch's op on the blocks, single-device values and gradients, no message, the decision kept;
 the result keeps the dims its argument cut; cut tensors still take the usual path."""
 
@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import shardlab
 from shardlab import distribute
-from shardlab.engine.aten import whole
+from shardlab.engine import whole
 from shardlab.layout import ShardLayout
 
 aten = torch.ops.aten
