@@ -16,6 +16,8 @@ from shardlab.runtime import RankContext, RankError, Ranks, this_rank  # noqa: E
 __version__ = "0.1.0"
 
 __all__ = [
+    "GatherError",
+    "GatherWarning",
     "RankContext",
     "RankError",
     "Ranks",
@@ -24,6 +26,7 @@ __all__ = [
     "distribute",
     "enable",
     "explain",
+    "gathers",
     "messages_in_graphs",
     "patched",
     "scatter_tensor",
@@ -43,6 +46,9 @@ _LAZY = {
     "disable": "shardlab.patch",
     "patched": "shardlab.patch",
     "messages_in_graphs": "shardlab.comm.graphs",
+    "gathers": "shardlab.comm.gathers",
+    "GatherWarning": "shardlab.comm.gathers",
+    "GatherError": "shardlab.comm.gathers",
 }
 
 

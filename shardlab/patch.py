@@ -35,6 +35,7 @@ import wrapt
 from torch.distributed.tensor import DTensor
 
 from shardlab.comm import graphs, traced
+from shardlab.comm.gathers import gathers
 from shardlab.ops.registry import ORIGINALS  # name -> torch's F.<name>, while patched
 from shardlab.tensor import ShardTensor
 
@@ -304,33 +305,9 @@ def _natten_router(name: str):
     def route(wrapped, instance, args, kwargs):
         if not _has_shard_tensor(args, kwargs):
             return wrapped(*args, **kwargs)
-        import inspect
-
         from shardlab.ops import neighborhood
 
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = dict(bound.arguments)
-        for unsupported, neutral in (
-            ("stride", 1),
-            ("additional_keys", None),
-            ("additional_values", None),
-        ):
-            if unsupported in a and a[unsupported] not in (neutral, (neutral,) * int(name[2])):
-                raise NotImplementedError(
-                    f"sharded natten.{name}: {unsupported}={a[unsupported]!r} is not "
-                    f"supported on ShardTensors (shardlab supports kernel_size, dilation, "
-                    "is_causal, scale)"
-                )
-        return getattr(neighborhood, name)(
-            a["query"],
-            a["key"],
-            a["value"],
-            a["kernel_size"],
-            a.get("dilation", 1),
-            a.get("is_causal", False),
-            a.get("scale"),
-        )
+        return neighborhood.natten_call(name, wrapped, args, kwargs)
 
     return route
 
@@ -366,7 +343,7 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def patched(*, dtensors: bool | None = None):
+def patched(*, dtensors: bool | None = None, gather: str | None = None):
     """Patch inside the block; afterwards the patches are as they were before it.
 
     Inside, a ``torch.nn.functional`` call (or an ``nn`` module that makes one) whose
@@ -375,6 +352,12 @@ def patched(*, dtensors: bool | None = None):
     DTensors over inside the block (see :func:`enable`): a DTensor image cut along H then
     gets the halo convolution, where torch convolves each block alone (no halo) and
     labels the result ``Replicate()``; its result is a ShardTensor.
+
+    ``gather``: what an op with no rule for its layout does when it would gather a whole
+    tensor onto every rank (:func:`shardlab.gathers`): ``"warn"`` (the default, once per
+    op and layout, a :class:`shardlab.GatherWarning`), ``"raise"`` (a
+    :class:`shardlab.GatherError` on every rank, before anything is sent) or
+    ``"ignore"``; None: as outside the block.
 
     Communicates nothing itself: each sharded op sends what it needs (a convolution its
     halo rows, point to point; a norm one all-reduce; attention the K/V ring), as
@@ -391,7 +374,8 @@ def patched(*, dtensors: bool | None = None):
         was, routes = is_enabled(), list(_SHARD_TENSOR)
         enable(dtensors=dtensors)
     try:
-        yield
+        with gathers(gather) if gather is not None else contextlib.nullcontext():
+            yield
     finally:
         with _LOCK:
             if not was:

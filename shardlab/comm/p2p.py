@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardlab.comm import collectives, traced
+from shardlab.comm import collectives, gathers, traced
 from shardlab.layout import ShardLayout, redistribute_plan
 from shardlab.trace import label
 
@@ -304,6 +304,8 @@ def redistribute_local(
     me = my_coord(mesh)
     if _same_block(src, dst, mesh, me):  # only mesh dims of one rank change: no message
         return local
+    if gathers.is_gather(src, dst, cause):  # a rule is missing: said, or refused
+        gathers.report(src, dst, cause, local.element_size())
     with label(cause):
         # 1. reduce Partial mesh dims that the target does not keep Partial
         for m, p in enumerate(src.placements):

@@ -47,6 +47,21 @@ class ModuleRecord:
             b for k, b, *_ in self.events if k not in ("send", "recv")
         )
 
+    @property
+    def gathers(self) -> list[str]:
+        """The ops that gathered a whole tensor onto this rank in this module because no
+        rule covers their layout (``whole-tensor fallback for <op>``), each once, in
+        order."""
+        out: list[str] = []
+        for *_, lab in self.events:
+            for cause in _GATHERS:
+                if lab.startswith(cause) and lab[len(cause) :] not in out:
+                    out.append(lab[len(cause) :])
+        return out
+
+
+_GATHERS = ("whole-tensor fallback for ",)
+
 
 def _mib(peaks):
     peaks = [p for p in peaks if p is not None]
@@ -87,6 +102,18 @@ class Explanation:
             "collectives": sum(1 for e in ev if e[0] not in ("send", "recv")),
             "bytes": sum(e[1] for e in ev),
         }
+
+    def gathers(self) -> dict[str, list[str]]:
+        """``{module name: [op, ...]}``: where, on any rank, an op gathered a whole tensor
+        because no rule covers its layout (see :class:`shardlab.GatherWarning`)."""
+        out: dict[str, list[str]] = {}
+        for rows in self.ranks:
+            for r in rows:
+                for op in r.gathers:
+                    ops = out.setdefault(r.name, [])
+                    if op not in ops:
+                        ops.append(op)
+        return out
 
     def _summary(self):
         """(name, kind, phase, in, out, collectives, messages, max bytes, max ms, max MiB)."""

@@ -256,3 +256,26 @@ def _scatter(dst, index, slot, src):
         shape = list(src.shape)
         shape[i + 1] = dst.shape[i + 1]
         src = src.new_zeros(shape).index_add_(i + 1, table, src)
+
+
+def natten_call(name: str, fn, args, kwargs):
+    """``natten.<name>`` (``fn``: natten's own ``na1d``/``na2d``/``na3d``) called with a
+    ShardTensor: its arguments read by natten's signature, then shardlab's version
+    (:mod:`shardlab.patch` routes the call here)."""
+    import inspect
+
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    for unsupported, neutral in (("stride", 1), ("additional_keys", None),
+                                 ("additional_values", None)):  # fmt: skip
+        if unsupported in a and a[unsupported] not in (neutral, (neutral,) * int(name[2])):
+            raise NotImplementedError(
+                f"sharded natten.{name}: {unsupported}={a[unsupported]!r} is not "
+                f"supported on ShardTensors (shardlab supports kernel_size, dilation, "
+                "is_causal, scale)"
+            )
+    return {"na1d": na1d, "na2d": na2d, "na3d": na3d}[name](
+        a["query"], a["key"], a["value"], a["kernel_size"], a.get("dilation", 1),
+        a.get("is_causal", False), a.get("scale"),
+    )  # fmt: skip
