@@ -320,6 +320,10 @@ def _global_out_shape(in_shape, y, layout, out_sizes):
     return shape
 
 
+# every door: the patched F.conv2d, and (at __torch_function__) torch.conv2d, which is the
+# same function, or an F.conv2d a library bound before shardlab.patched()
 for _n in (1, 2, 3):
-    register(f"conv{_n}d")(_conv(f"conv{_n}d", _n, transposed=False))
-    register(f"conv_transpose{_n}d")(_conv(f"conv_transpose{_n}d", _n, transposed=True))
+    register(f"conv{_n}d", at_function=True)(_conv(f"conv{_n}d", _n, transposed=False))
+    register(f"conv_transpose{_n}d", at_function=True)(
+        _conv(f"conv_transpose{_n}d", _n, transposed=True)
+    )

@@ -274,8 +274,12 @@ def _reduce_dim(x, gidx, dim, starts, ends, a, kind, fill):
     return values, gidx
 
 
-for _n in (1, 2, 3):
-    register(f"max_pool{_n}d")(_max_pool(f"max_pool{_n}d", _n))
-    register(f"avg_pool{_n}d")(_avg_pool(f"avg_pool{_n}d", _n))
-    register(f"adaptive_avg_pool{_n}d")(_adaptive(f"adaptive_avg_pool{_n}d", _n, "avg"))
-    register(f"adaptive_max_pool{_n}d")(_adaptive(f"adaptive_max_pool{_n}d", _n, "max"))
+for _n in (1, 2, 3):  # also at __torch_function__ (an F function bound before patched())
+    register(f"max_pool{_n}d", at_function=True)(_max_pool(f"max_pool{_n}d", _n))
+    register(f"avg_pool{_n}d", at_function=True)(_avg_pool(f"avg_pool{_n}d", _n))
+    register(f"adaptive_avg_pool{_n}d", at_function=True)(
+        _adaptive(f"adaptive_avg_pool{_n}d", _n, "avg")
+    )
+    register(f"adaptive_max_pool{_n}d", at_function=True)(
+        _adaptive(f"adaptive_max_pool{_n}d", _n, "max")
+    )

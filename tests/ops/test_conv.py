@@ -431,3 +431,47 @@ def test_unbatched_input_as_torch_takes_it(ranks_for):
 
     results = ranks_for(2).run(body)
     assert results[0] == results[1] == [True, True, True, "conv1d", "conv1d"], results
+
+
+def test_every_door_to_a_convolution_or_a_pooling_sends_halos(ranks_for):
+    """``torch.conv2d`` (the same function as ``F.conv2d``), an F function called without
+    ``patched()`` (a library that bound it at its import) and the pooling functions reach
+    the halo exchange, never a whole-tensor gather; values and gradients as one device."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        g = torch.randn(2, 3, 11, 8, dtype=torch.float64)
+        w = torch.randn(4, 3, 3, 3, dtype=torch.float64)
+        calls = {
+            "torch.conv2d": lambda t: torch.conv2d(t, w, None, 1, 1),
+            "F.conv2d": lambda t: F.conv2d(t, w, padding=1, stride=2),
+            "F.conv_transpose2d": lambda t: F.conv_transpose2d(t, w.transpose(0, 1)),
+            "F.max_pool2d": lambda t: F.max_pool2d(t, 3, 2, 1),
+            "F.avg_pool2d": lambda t: F.avg_pool2d(t, 2),
+            "F.adaptive_avg_pool2d": lambda t: F.adaptive_avg_pool2d(t, (4, 3)),
+        }
+        out = {}
+        for name, call in calls.items():
+            x = shardlab.distribute(g, mesh, [Shard(2)], [[6, 5]]).requires_grad_(True)
+            ref = g.clone().requires_grad_(True)
+            with shardlab.gathers("raise"), shardlab.trace() as t:
+                y = call(x)
+                y.sum().backward()
+            call(ref).sum().backward()
+            labels = {e.label for e in t.events}
+            out[name] = (
+                torch.allclose(y.full_tensor(), call(g)),
+                torch.allclose(x.grad.full_tensor(), ref.grad),
+                not any(lab.startswith(("whole-tensor", "auto-redistribute")) for lab in labels),
+            )
+            if name == "torch.conv2d":
+                out["halos"] = (any("halo" in lab for lab in labels),)
+        return out
+
+    for out in ranks_for(2).run(body):
+        assert all(all(v) for v in out.values()), {k: v for k, v in out.items() if not all(v)}
