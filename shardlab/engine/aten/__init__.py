@@ -8,6 +8,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     dim_ops,
     foreach,
     indexing,
+    moments,
     reductions,
     shaping,
     views,

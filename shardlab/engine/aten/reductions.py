@@ -9,8 +9,9 @@
 * ``argmax`` / ``argmin`` / ``max.dim`` / ``min.dim`` over a cut dim: each rank's best
   value and its *global* index, then one all-gather per mesh dim picks the winner (NaN
   wins, then the smaller index, as torch).
-* ``var``, ``std``, ``logsumexp``, norms ... over a cut dim: torch's decomposition into
-  the reductions above (exact two-pass formulas); over uncut dims they run locally.
+* ``var``, ``std``: :mod:`.moments` (one all-gather of counts, means and squared
+  deviations); ``logsumexp``, norms ... over a cut dim: torch's decomposition into the
+  reductions above (exact two-pass formulas); over uncut dims they run locally.
 """
 
 from __future__ import annotations
@@ -290,12 +291,8 @@ def _isnan(v):
     )
 
 
-# var / std / logsumexp / norms: local over uncut dims, else torch's decomposition
+# logsumexp / norms: local over uncut dims, else torch's decomposition
 _LOCAL_IF_UNCUT = {
-    aten.var.correction: (1, 3),
-    aten.std.correction: (1, 3),
-    aten.var_mean.correction: (1, 3),
-    aten.std_mean.correction: (1, 3),
     aten.logsumexp.default: (1, 2),
     aten.linalg_vector_norm.default: (2, 3),
     aten.nansum.default: (1, 2),
