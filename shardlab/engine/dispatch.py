@@ -129,7 +129,7 @@ def _run(func, args, kwargs, meta, written):
             return _execute(got, func, args, kwargs, meta, written)
         if got is not NotImplemented:  # an algorithm of several ops: its result
             out = _meta.with_strides(got, meta, (args, kwargs))
-            return out, None if written else _again(rule, func, args, kwargs, out)
+            return out, None if written else _again(rule, func, args, kwargs, out, meta)
         # (a rule that declined may have sent first: c.reduced)
     plan = on_blocks(func, args, kwargs, meta)  # no rule, every argument whole
     if plan is not None:
@@ -174,13 +174,17 @@ def _execute(plan, func, args, kwargs, meta, written):
     return out, run
 
 
-def _again(rule, func, args, kwargs, out):
-    """What keeps a rule that returned its result (:class:`~.plans.Again`), or None."""
+def _again(rule, func, args, kwargs, out, meta):
+    """What keeps a rule that returned its result (:class:`~.plans.Again`), or None. With
+    no meta run (a result whose size depends on the values: ``nonzero``), no strides are
+    kept: each call's result keeps its own."""
     st = c.ShardTensor
     outs = out if type(out) is tuple else (out,)
     if not outs or not all(type(o) is st and not getattr(o, "_writeback", None) for o in outs):
         return None
     strides = tuple(o.stride() for o in outs) if type(out) is tuple else out.stride()
+    if meta is None:
+        strides = (None,) * len(outs) if type(out) is tuple else None
     return plans.Again(rule, strides, _anchors(func, args, kwargs))
 
 

@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     indexing,
     moments,
     reductions,
+    selection,
     shaping,
     views,
 )

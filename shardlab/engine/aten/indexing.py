@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.engine import _common as c
+from shardlab.engine.aten import selection
 from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout, moves
@@ -96,6 +97,8 @@ def _index(func, args, kwargs):
     x, indices = args[0], list(args[1])
     st = c.ShardTensor
     if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        if len(indices) == 1 and indices[0].dtype == torch.bool:  # x[mask]: uneven rows
+            return selection.bool_index(x, indices[0])
         return NotImplemented
     if any(
         isinstance(i, st) and any(not isinstance(p, Replicate) for p in i._layout.placements)
