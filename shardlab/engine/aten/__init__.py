@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     batched,
     diagonal,
     dim_ops,
+    fft,
     foreach,
     indexing,
     moments,

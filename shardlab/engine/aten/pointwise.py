@@ -36,11 +36,11 @@ _UNTAGGED = {
     aten.logical_xor, aten.clamp, aten.clamp_min, aten.clamp_max, aten.lerp, aten.addcmul,
     aten.addcdiv, aten.bitwise_not, aten.relu, aten.relu_, aten.sign, aten.isfinite,
     aten.lift_fresh_copy, aten.log_sigmoid_backward, aten.to,
-    aten._conj, aten.conj, aten.resolve_conj, aten.resolve_neg,
+    aten._conj, aten.conj, aten.resolve_conj, aten.resolve_neg, aten._neg_view,
 }  # fmt: skip
 _IDENTITY = {aten.clone, aten.detach, aten.alias, aten.positive, aten.lift_fresh,
              aten._to_copy, aten.to, aten.conj, aten._conj, aten.resolve_conj}  # fmt: skip
-_NEGATION = {aten.neg, aten.neg_, aten.resolve_neg}
+_NEGATION = {aten.neg, aten.neg_, aten.resolve_neg, aten._neg_view}
 _ADDITIVE = {aten.add, aten.add_, aten.sub, aten.sub_}
 _SCALING = {aten.mul, aten.mul_, aten.div, aten.div_}
 _RANDOM = torch.Tag.nondeterministic_seeded
