@@ -23,11 +23,11 @@ def test_a_gather_warns_once_per_op_and_layout_on_every_rank(ranks_for):
         whole = shardlab.distribute(g, mesh, [Replicate()])
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            y = torch.fft.rfft(x, dim=1)  # no rule for the FFT yet: the fallback
-            torch.fft.rfft(x, dim=1)  # the same op and layout: warned already
-            torch.fft.rfft(whole, dim=1)  # every rank holds it whole: no gather
+            y = torch.fft.rfft(x, dim=0)  # along the cut dim: no rule yet, the fallback
+            torch.fft.rfft(x, dim=0)  # the same op and layout: warned already
+            torch.fft.rfft(whole, dim=0)  # every rank holds it whole: no gather
         said = [str(m.message) for m in w if issubclass(m.category, shardlab.GatherWarning)]
-        return said, torch.allclose(y.full_tensor(), torch.fft.rfft(g, dim=1))
+        return said, torch.allclose(y.full_tensor(), torch.fft.rfft(g, dim=0))
 
     for said, exact in ranks_for(2).run(body):
         assert exact
@@ -49,19 +49,19 @@ def test_gathers_raise_refuses_on_every_rank_before_sending(ranks_for):
         with shardlab.trace() as t:
             try:
                 with shardlab.gathers("raise"):
-                    torch.fft.fft(x, dim=1)
+                    torch.fft.fft(x, dim=0)
             except shardlab.GatherError as e:
                 out["raised"] = "_fft_r2c" in str(e) and "refused" in str(e)
         out["sent"] = len(t.events)
         try:
             with shardlab.patched(gather="raise"):
-                torch.fft.rfft(x, dim=1)
+                torch.fft.rfft(x, dim=0)
         except shardlab.GatherError:
             out["patched"] = True
-        y = torch.fft.rfft(x, dim=1)  # outside the scopes: the default (warns), exact
-        out["after"] = y.shape == (7, 3)
+        y = torch.fft.rfft(x, dim=0)  # outside the scopes: the default (warns), exact
+        out["after"] = y.shape == (4, 4)
         with shardlab.gathers("ignore"), shardlab.patched(gather=None):
-            out["ignored"] = torch.fft.rfft(x * 3, dim=1).shape == (7, 3)
+            out["ignored"] = torch.fft.rfft(x * 3, dim=0).shape == (4, 4)
         return out
 
     for out in ranks_for(2).run(body):
@@ -100,7 +100,7 @@ def test_explain_lists_the_gathers_per_module(ranks_for):
 
         class Spectrum(torch.nn.Module):
             def forward(self, x):
-                return torch.fft.rfft(x, dim=-1).abs()
+                return torch.fft.rfft(x, dim=0).abs()  # along the cut dim: gathered
 
         class Model(torch.nn.Module):
             def __init__(self):
