@@ -165,11 +165,9 @@ def _pad(func, args, kwargs):
     aten.new_empty_strided.default,
 )
 def _new(func, args, kwargs):
-    """A new tensor of a given (global) shape: cut like ``x`` when it keeps the sizes of
-    the dims ``x`` cuts (no message, and each rank holds its block only), else whole on
-    every rank. ``new_empty_strided`` of ``x``'s own shape (autograd's copy of a gradient
-    into its parameter's strides) is laid out like ``x``: the gradient stays on its
-    blocks, not gathered."""
+    """A new tensor of a given (global) shape: whole on every rank. ``new_empty_strided``
+    of ``x``'s own shape (autograd's copy of a gradient into its parameter's strides) is
+    laid out like ``x`` instead: the gradient stays on its blocks, not gathered."""
     x = args[0]
     lay = x._layout
     if (
@@ -183,32 +181,10 @@ def _new(func, args, kwargs):
         y = func(x._local_tensor, local, stride_like(stride, local), *args[3:], **kwargs)
         y.zero_()  # every rank the same values
         return c.ShardTensor._wrap(y, mesh, lay, stride=stride)
-    like = _like_x(lay, tuple(args[1])) if func is not aten.new_empty_strided.default else None
-    if like is not None:  # x's cut dims kept: cut like x (rfft's backward pads its gradient)
-        local = like.local_shape(c.me(x.device_mesh))
-        y = func(x._local_tensor, local, *args[2:], **kwargs)
-        if func is aten.new_empty.default:
-            y.zero_()  # the same values on every rank
-        return c.wrap(y, x.device_mesh, like)
     y = func(x._local_tensor, *args[1:], **kwargs)
     if func is aten.new_empty.default or func is aten.new_empty_strided.default:
         y.zero_()  # every rank must hold the same values of a Replicate tensor
     return c.wrap(y, x.device_mesh, c.replicate_layout(y.shape, x.device_mesh))
-
-
-def _like_x(lay, shape):
-    """``lay`` with the global ``shape``, when that changes no dim ``lay`` cuts (nor views
-    merged), nothing is Partial and something is cut; else None."""
-    if len(shape) != len(lay.global_shape) or lay.is_whole():
-        return None
-    if any(isinstance(p, Partial) for p in lay.placements):
-        return None
-    kept = {p.dim for p in lay.placements if isinstance(p, Shard)}
-    if lay.atoms is not None:
-        kept |= {d for d, a in enumerate(lay.atoms) if a is not None}
-    if any(shape[d] != lay.global_shape[d] for d in kept):
-        return None
-    return lay.replace(global_shape=shape)
 
 
 @register(aten._local_scalar_dense.default, aten.is_nonzero.default)
