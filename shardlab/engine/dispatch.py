@@ -169,6 +169,7 @@ def _execute(plan, func, args, kwargs, meta, written):
         if plan.otherwise is None:
             raise
         return plan.otherwise(func, args, kwargs), None
+    run.first = False
     if written and not (plan.inplace and written == [0]):
         return out, None  # (an ``out=`` argument written: decided in full every time)
     return out, run

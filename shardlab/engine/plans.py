@@ -34,7 +34,7 @@ class LocalCall:
     """
 
     __slots__ = ("moves", "mesh", "outs", "many", "cause", "still", "lists", "anchors", "local",
-                 "strides")  # fmt: skip
+                 "strides", "first")  # fmt: skip
 
     def __init__(self, moves, mesh, outs, many, cause, anchors=(), local=None):
         self.moves, self.mesh, self.many, self.cause = tuple(moves), mesh, many, cause
@@ -50,6 +50,7 @@ class LocalCall:
             for layout, stride, dtype in outs
         )  # fmt: skip
         self.strides = tuple(stride for _, stride, _ in outs)  # (read once, if no dtype)
+        self.first = True  # the run the plan was made for (the dispatcher clears it)
 
     def __call__(self, func, args, kwargs):
         st = ShardTensor
@@ -77,8 +78,10 @@ class LocalCall:
         return tuple(self._wrap(func, o, *how, st) for o, how in zip(out, self.outs))
 
     def _wrap(self, func, out, layout, local_shape, spec, dtype, st):
-        if dtype is None:  # the first run of a plan no meta run typed: its dtype now
-            i = next(i for i, h in enumerate(self.outs) if h[0] is layout and h[3] is None)
+        if dtype is None or (self.first and out.dtype != dtype):
+            # the first run of a plan no meta run typed (or typed otherwise than the kernel
+            # computes: torch 2.11's meta of the CPU flash attention): its dtype now
+            i = next(i for i, h in enumerate(self.outs) if h[0] is layout and h[3] is dtype)
             dtype, spec = out.dtype, _spec(self.mesh, layout, self.strides[i], out.dtype)
             outs = list(self.outs)
             outs[i] = (layout, local_shape, spec, dtype)
