@@ -35,7 +35,14 @@ class FRule:
         self.name, self.handler, self.row_wise, self.raw = name, handler, row_wise, raw
 
     def __call__(self, func, args, kwargs):
-        return call(self.name, args, kwargs)
+        """At ``__torch_function__`` (the unpatched door: ``torch.conv2d``, an F function
+        bound before ``patched()``). A layout the family does not take goes on to torch's
+        call on the ShardTensors (aten's rules, or a gather that says so), as it went
+        before the family took this door; the patched door raises instead."""
+        try:
+            return call(self.name, args, kwargs)
+        except NotImplementedError:
+            return NotImplemented
 
     def __repr__(self) -> str:
         return f"FRule(F.{self.name} -> {self.handler.__module__}.{self.handler.__qualname__})"
