@@ -25,6 +25,8 @@ import contextlib
 import contextvars
 import warnings
 
+from torch.distributed.tensor import Partial, Replicate
+
 from shardlab.layout import ShardLayout
 
 __all__ = ["GatherError", "GatherWarning", "gathers", "is_gather", "report"]
@@ -60,8 +62,11 @@ def gathers(mode: str = "warn"):
 def is_gather(src: ShardLayout, dst: ShardLayout, cause: str) -> bool:
     """Is the move from ``src`` to ``dst`` labelled ``cause`` a gather for a missing rule:
     a fallback's or an auto-redistribute's move of a cut tensor to a layout every rank
-    holds whole?"""
-    return cause.startswith(_CAUSES) and dst.is_whole() and not src.is_whole()
+    holds whole? (A Partial value summed is no gather: each rank held all of its size.)"""
+    if not cause.startswith(_CAUSES) or not dst.is_whole() or src.is_whole():
+        return False
+    summed = tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements)
+    return not src.replace(placements=summed).is_whole()
 
 
 def report(src: ShardLayout, dst: ShardLayout, cause: str, itemsize: int) -> None:

@@ -77,7 +77,7 @@ def test_a_bad_mode_names_the_argument():
 
 
 def test_is_gather_only_for_a_missing_rule_that_makes_a_cut_tensor_whole():
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     from shardlab.comm.gathers import is_gather
     from shardlab.layout import ShardLayout
@@ -90,6 +90,8 @@ def test_is_gather_only_for_a_missing_rule_that_makes_a_cut_tensor_whole():
     assert not is_gather(cut, other, "auto-redistribute for sort")  # another dim cut instead
     assert not is_gather(cut, whole, "embedding.align")  # part of a rule's algorithm
     assert not is_gather(whole, whole, "whole-tensor fallback for cdist")
+    summed = ShardLayout.build((8, 4), (2,), [Partial()])
+    assert not is_gather(summed, whole, "whole-tensor fallback for div")  # an all-reduce
 
 
 def test_explain_lists_the_gathers_per_module(ranks_for):

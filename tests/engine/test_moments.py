@@ -95,3 +95,40 @@ def test_a_moment_over_a_cut_dim_sends_one_all_gather_of_three_numbers_per_entry
     for events, exact, placements in ranks_for(3).run(body):
         assert exact and [type(p).__name__ for p in placements] == ["Replicate"]
         assert events == [("all_gather", 3 * 5 * 8, "var.reduce")], events  # (n, mean, M2) x 5
+
+
+def test_norms_over_a_cut_dim_through_torchs_primitives_gather_nothing(ranks_for):
+    """``F.layer_norm`` / ``F.group_norm`` unpatched over a cut dim: torch's reference
+    decomposition emits ``prims.var`` / ``prims.sum`` / ``prims.broadcast_in_dim``
+    (``shardlab/engine/aten/prims.py``), each run as the aten op it is; exact forward and
+    backward, no whole-tensor gather."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        g = torch.randn(3, 4, 5, dtype=torch.float64)
+        out = {}
+        for name, f in {
+            "layer_norm": lambda t: F.layer_norm(t, (5,)),
+            "layer_norm (4, 5)": lambda t: F.layer_norm(t, (4, 5)),
+            "group_norm": lambda t: F.group_norm(t, 2),
+        }.items():
+            x = shardlab.distribute(g, mesh, [Shard(2)], [[2, 0, 3]]).requires_grad_(True)
+            ref = g.clone().requires_grad_(True)
+            with shardlab.gathers("raise"):
+                y = f(x)
+                (y * y).sum().backward()
+            r = f(ref)
+            (r * r).sum().backward()
+            out[name] = (
+                torch.allclose(y.full_tensor(), r),
+                torch.allclose(x.grad.full_tensor(), ref.grad),
+            )
+        return out
+
+    for out in ranks_for(3).run(body):
+        assert all(all(v) for v in out.values()), out

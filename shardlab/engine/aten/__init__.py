@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     foreach,
     indexing,
     moments,
+    prims,
     reductions,
     selection,
     shaping,
