@@ -187,12 +187,15 @@ class Again:
 
 
 def _restrided(out, stride, args, kwargs):
-    """``out`` with the global ``stride`` (as :func:`.dispatch._with_strides`)."""
+    """``out`` with the global ``stride`` (as :func:`.meta.with_strides`; None: as it is)."""
     if stride is None or out.stride() == stride:
         return out
     if any(out is a for a in _common.shards_in((args, kwargs))):
         return out  # an in-place op returns its input as it is
-    return ShardTensor._wrap(out._local_tensor, out.device_mesh, out._layout, stride=stride)
+    new = ShardTensor._wrap(out._local_tensor, out.device_mesh, out._layout, stride=stride)
+    if hasattr(out, "_writeback"):
+        new._writeback = out._writeback
+    return new
 
 
 class Decomposed:
@@ -212,16 +215,7 @@ class Decomposed:
                 f"{getattr(out, '_layout', type(out).__name__)} where it gave {self.layout} "
                 "for the same signature before; please report it"
             )
-        if out.stride() != self.stride and not any(
-            out is a for a in _common.shards_in((args, kwargs))
-        ):  # as dispatch._with_strides: the global strides torch gives on one device
-            new = ShardTensor._wrap(
-                out._local_tensor, out.device_mesh, out._layout, stride=self.stride
-            )
-            if hasattr(out, "_writeback"):
-                new._writeback = out._writeback
-            out = new
-        return out
+        return _restrided(out, self.stride, args, kwargs)
 
 
 class Stale(Exception):
