@@ -14,6 +14,7 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     conv,
     cross_entropy,
     dropout,
+    fft,
     interpolate,
     linear,
     losses,

@@ -10,9 +10,10 @@ live (circular wraps between the last and the first rank)::
 Messages: exactly the rows the padding copies from other ranks, point to point
 (the pad is a window op with kernel 1 run by :class:`shardlab.comm.halo.Halo`).
 
-Negative padding crops, as in torch: the rows cropped off a sharded dim are dropped
-where they live (a slice: no message), then the rest pads the cropped tensor (torch's
-order too: a circular pad wraps the cropped tensor's other end).
+Constant padding sends nothing (the engine's ``constant_pad_nd``): only the first and
+the last piece grow. Negative padding crops, as in torch: the rows cropped off a sharded
+dim are dropped where they live (a slice: no message), then the rest pads the cropped
+tensor (torch's order too: a circular pad wraps the cropped tensor's other end).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def pad(input, pad, mode="constant", value=None):
             f"pad: mode {mode!r} is not supported on a ShardTensor; supported: {list(_MODES)}"
         )
     # (Partial values arrive reduced: registry.call prepares the arguments)
+    if mode == "constant" and all(p >= 0 for p in pad):
+        return _constant(input, pad, value)
     padded = {input.ndim - 1 - j for j in range(len(pad) // 2) if pad[2 * j] or pad[2 * j + 1]}
     input = cut_once("pad", input, padded)  # a padded dim cut twice: by the first mesh dim
     if any(p < 0 for p in pad):
@@ -89,6 +92,12 @@ def pad(input, pad, mode="constant", value=None):
             x, local_pad, mode=mode, **({"value": value} if value is not None else {})
         )
     return ShardTensor.from_local(x, mesh, layout.placements, sizes, shape=shape, validate=False)
+
+
+def _constant(input, pad, value):
+    """Constant padding: the engine's ``constant_pad_nd`` (no message; along a cut dim
+    only the first and the last piece grow). torch's F.pad reads the fill as a float."""
+    return torch.constant_pad_nd(input, pad, 0.0 if value is None else float(value))
 
 
 def _cropped(input, pads, mode, value, expected):

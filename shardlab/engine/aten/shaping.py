@@ -119,24 +119,25 @@ def _pad(func, args, kwargs):
             x = slice_of(x, dim, max(0, -left), x.shape[dim] - max(0, -right))
             left, right = max(left, 0), max(right, 0)
         cut = _cutters(x._layout, dim)
-        if cut and (len(cut) > 1 or not x._layout.is_block(dim)):
+        nested = len(cut) == 2 and x._layout.nested_outer(cut[1]) == cut[0]
+        if cut and ((len(cut) > 1 and not nested) or not x._layout.is_block(dim)):
             x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for pad")
             cut = []
         if not cut:
             local_pad[2 * j], local_pad[2 * j + 1] = left, right
             continue
-        (m,) = cut
-        coord = c.me(x.device_mesh)[m]
-        last = x.device_mesh.shape[m] - 1
-        local_pad[2 * j] = left if coord == 0 else 0
-        local_pad[2 * j + 1] = right if coord == last else 0
-        sizes = list(x._layout.sizes[m][0])
-        sizes[0] += left
-        sizes[-1] += right
+        # the fill goes to the first and the last piece (cut twice: at (0, 0), at the end)
+        coord, mesh_shape = c.me(x.device_mesh), x.device_mesh.shape
+        local_pad[2 * j] = left if all(coord[m] == 0 for m in cut) else 0
+        local_pad[2 * j + 1] = right if all(coord[m] == mesh_shape[m] - 1 for m in cut) else 0
+        entry = list(x._layout.sizes)
+        for m in cut:  # the outer pieces, then the inner ones per outer piece
+            rows = [list(r) for r in entry[m]]
+            rows[0][0] += left
+            rows[-1][-1] += right
+            entry[m] = tuple(map(tuple, rows))
         shape = list(x.shape)
         shape[dim] += left + right
-        entry = list(x._layout.sizes)
-        entry[m] = (tuple(sizes),)
         new = x._layout.replace(global_shape=tuple(shape), sizes=tuple(entry))
         x = c.ShardTensor._wrap(
             torch.constant_pad_nd(
