@@ -121,6 +121,40 @@ viz.plot_placements(results[0][3])
 viz.plot_collectives(shardlab.trace.Trace([e for *_, events, _ in results for e in events]))
 
 # %% [markdown]
+# ## Results cut by their values: `nonzero` and `masked_select`
+#
+# How many entries `x > 40` holds on each rank depends on the values, so nothing can say
+# in advance how many rows of `torch.nonzero(x > 40)` each rank will hold. A ShardTensor
+# does not need to know in advance. Each rank keeps its own hits, in torch's order, and one
+# all-gather of one number per rank (how many each found) gives the pieces' sizes. The
+# result is cut in uneven pieces, some of them empty, and nothing else moves.
+
+# %%
+def hits(sizes):
+    mesh = shardlab.this_rank().mesh
+    x = torch.arange(54.0).reshape(18, 3)
+    st = shardlab.distribute(x, mesh, [Shard(0)], [sizes])
+    with shardlab.trace() as t:
+        where = torch.nonzero(st > 40)  # (hits, 2): the row and column of each hit
+        values = torch.masked_select(st, st > 40)  # (hits,)
+    same = torch.equal(where.full_tensor(), torch.nonzero(x > 40)) and torch.equal(
+        values.full_tensor(), torch.masked_select(x, x > 40)
+    )
+    return same, t.counts(), where.sharding
+
+
+results = ranks.run(hits, SIZES)
+for rank, (same, counts, where) in enumerate(results):
+    print(f"rank {rank}: rows {SIZES[rank]}, hits {where.sizes_along(0)[rank]}, messages {counts}")
+    assert same and counts == {"all_gather": 2}  # one count per rank, per op
+print("the result's pieces:", results[0][2].sizes_along(0))
+viz.plot_placements(results[0][2])
+
+# %% [markdown]
+# The last rows hold every hit, so the last rank holds most of the result and the first
+# ranks hold none of it. A later op on `where` runs on these pieces, as on any other cut.
+
+# %% [markdown]
 # ## Your turn: the placement explorer
 #
 # Change the mesh (`4` or `2,2`), the placements (`Shard(0), Replicate()`), the shape

@@ -160,7 +160,10 @@ class LocalInplace(LocalCall):
 
     def __call__(self, func, args, kwargs):
         local_args, local_kwargs = self._blocks(args, kwargs, ShardTensor)
-        func(*local_args, **local_kwargs)
+        if self.local is None:
+            func(*local_args, **local_kwargs)
+        else:  # (what the rule runs instead: it writes the first block too)
+            self.local(local_args, local_kwargs)
         _common.written(args[0])
         return args[0]
 

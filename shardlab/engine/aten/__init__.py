@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     moments,
     prims,
     reductions,
+    scatter,
     selection,
     shaping,
     views,

@@ -9,6 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.engine import _common as c
 from shardlab.engine.aten import selection
+from shardlab.engine.aten.scatter import index_picks, index_writes, picks
 from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout, moves
@@ -100,6 +101,9 @@ def _index(func, args, kwargs):
         if len(indices) == 1 and indices[0].dtype == torch.bool:  # x[mask]: uneven rows
             return selection.bool_index(x, indices[0])
         return NotImplemented
+    picked = index_picks(func, args, kwargs)  # along the cut dim: each rank its own
+    if picked is not NotImplemented:
+        return picked
     if any(
         isinstance(i, st) and any(not isinstance(p, Replicate) for p in i._layout.placements)
         for i in indices
@@ -161,6 +165,9 @@ def _index_put(func, args, kwargs):
     whole integer index tensors, values cut like ``x[indices]`` would be: x cut the same way,
     or x replicated (then cut like them, no message); every rank writes its block. Other
     cases go to the fallback."""
+    written = index_writes(func, args, kwargs)  # along the cut dim, values whole
+    if written is not NotImplemented:
+        return written
     x, indices, values = args[0], list(args[1]), args[2]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     st = c.ShardTensor
@@ -197,7 +204,11 @@ def _index_put(func, args, kwargs):
 
 @register(aten.gather.default)
 def _gather(func, args, kwargs):
-    """``gather(x, dim, index)``: dim whole in x, index cut like x elsewhere -> local."""
+    """``gather(x, dim, index)``: dim whole in x, index cut like x elsewhere -> local;
+    x cut along dim, the index whole: each rank its own picks (:func:`.scatter.picks`)."""
+    picked = picks(func, args, kwargs)
+    if picked is not NotImplemented:
+        return picked
     x, dim, index = args[0], args[1], args[2]
     st = c.ShardTensor
     mesh = c.the_mesh(c.shards_in((x, index)))
