@@ -257,7 +257,7 @@ def _tokens_of(x: DTensor, state: _State) -> ShardTensor:
     (place,) = st.placements
     if not isinstance(place, Shard) or place.dim % st.ndim == st.ndim - 1:
         raise ValueError(
-            f"ExpertParallel: the block's input is {place} over the experts' mesh; each "
+            f"ExpertParallel: the block's input is {place!r} over the experts' mesh; each "
             "rank must hold its own tokens: cut a token dim (batch or sequence, Shard(0) or "
             "Shard(1)), not the hidden dim, nor Replicate/Partial"
         )
