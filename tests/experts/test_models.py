@@ -160,3 +160,48 @@ def test_with_the_sequence_cut_the_routing_gathers_no_whole_tensor(ranks_for, wo
         assert "sort has no rule" in res["gathered without the style"], res
         assert res["logits"] and res["loss"] and res["grads"] == [], res
         assert {"experts.counts", "experts.dispatch", "experts.combine"} <= set(res["labels"])
+
+
+def test_activation_checkpointing_sends_each_layers_forward_again(ranks_for):
+    """``gradient_checkpointing_enable()``: each decoder layer's forward runs again in the
+    backward, all-to-alls included, on every rank at the same point; still one device's
+    gradients."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        import shardlab
+        from shardlab import ExpertParallel
+
+        me, sizes = shardlab.this_rank(), BATCH[2]
+        ids = torch.randint(0, _moe.VOCAB, (sum(sizes), SEQ),
+                            generator=torch.Generator().manual_seed(3))  # fmt: skip
+
+        def loss_of(logits, ids):
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+        one = _moe.model("mixtral")
+        loss_of(one(input_ids=ids).logits, ids).backward()
+        model = _moe.model("mixtral")
+        model.gradient_checkpointing_enable()
+        parallelize_module(model, me.mesh, dict.fromkeys(PLAN, ExpertParallel()))
+        with shardlab.patched(), shardlab.trace() as t:
+            mine = shardlab.distribute(ids, me.mesh, [Shard(0)], [sizes])
+            loss_of(model(input_ids=mine).logits, mine).backward()
+        experts = slice(me.rank * 2, me.rank * 2 + 2)
+        want = dict(one.named_parameters())
+        bad = [
+            n
+            for n, p in model.named_parameters()
+            if not _moe.close(p.grad.to_local() if ".experts." in n else p.grad,
+                              want[n].grad[experts] if ".experts." in n else want[n].grad)
+        ]  # fmt: skip
+        return bad, [e.label for e in t.events if e.label.startswith("experts.")]
+
+    forward = ["experts.counts forward", "experts.dispatch forward", "experts.combine forward"]
+    backward = ["experts.combine backward", "experts.dispatch backward"]
+    for bad, labels in ranks_for(2).run(body):
+        assert bad == [], bad
+        assert labels == forward * 2 + (forward + backward) * 2, labels
