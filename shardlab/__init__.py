@@ -16,6 +16,7 @@ from shardlab.runtime import RankContext, RankError, Ranks, this_rank  # noqa: E
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertParallel",
     "GatherError",
     "GatherWarning",
     "RankContext",
@@ -49,6 +50,7 @@ _LAZY = {
     "gathers": "shardlab.comm.gathers",
     "GatherWarning": "shardlab.comm.gathers",
     "GatherError": "shardlab.comm.gathers",
+    "ExpertParallel": "shardlab.experts",
 }
 
 

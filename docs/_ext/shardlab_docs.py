@@ -37,6 +37,7 @@ PUBLIC_MODULES = [
     "shardlab.explainer.explain",
     "shardlab.viz",
     "shardlab.lm",
+    "shardlab.experts",
     "shardlab.layout",
     "shardlab.patch",
     "shardlab.ops.attention",
