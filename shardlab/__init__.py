@@ -22,6 +22,7 @@ __all__ = [
     "RankError",
     "Ranks",
     "ShardTensor",
+    "cost",
     "disable",
     "distribute",
     "enable",
@@ -38,6 +39,7 @@ __all__ = [
 # name -> module that defines it (these import torch, so they load on first use)
 _LAZY = {
     "trace": "shardlab.trace",
+    "cost": "shardlab.cost",
     "explain": "shardlab.explainer.explain",
     "ShardTensor": "shardlab.tensor",
     "distribute": "shardlab.tensor",
