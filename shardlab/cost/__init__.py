@@ -23,7 +23,7 @@ The top layer: it reads traces (:mod:`shardlab.trace`) and runs on a pool
 
 from shardlab.cost.calibrate import calibrate
 from shardlab.cost.formulas import Link, coefficients, formula_bytes, wire_bytes
-from shardlab.cost.messages import Message, messages
+from shardlab.cost.messages import Message, gaps, messages
 from shardlab.cost.model import CostModel, fit_link
 from shardlab.cost.predict import MessageCost, Prediction, predict
 
@@ -37,6 +37,7 @@ __all__ = [
     "coefficients",
     "fit_link",
     "formula_bytes",
+    "gaps",
     "messages",
     "predict",
     "wire_bytes",

@@ -56,7 +56,19 @@ def _one_message(kind: str, nbytes: int):
     raise ValueError(f"kinds: {kind!r} cannot be calibrated (known: {', '.join(DEFAULT_KINDS)})")
 
 
-def _calibration_events(kinds, sizes, repeats) -> list:
+def _compute(seconds: float) -> None:
+    """Work for ``seconds``: small matrix products (one thread's worth), as a step does."""
+    import time
+
+    import torch
+
+    a = torch.ones(64, 64)
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        torch.mm(a, a)
+
+
+def _calibration_events(kinds, sizes, repeats, between=0.0) -> list:
     """On every rank: the traced messages of the calibration (this rank's events)."""
     import torch.distributed as dist
 
@@ -70,6 +82,8 @@ def _calibration_events(kinds, sizes, repeats) -> list:
                     send()
                 for _ in range(repeats):
                     dist.barrier()  # everyone posts at about the same time
+                    if between:
+                        _compute(between)
                     with label(_LABEL, kind):
                         send()
     return [e for e in t.events if e.label.startswith(f"{_LABEL} ") and "warm-up" not in e.label]
@@ -94,6 +108,7 @@ def calibrate(
     sizes=DEFAULT_SIZES,
     repeats: int = 5,
     algorithms: dict | None = None,
+    between: float = 0.0,
 ) -> CostModel:
     """Measure the ranks at hand and fit a :class:`~shardlab.cost.CostModel` to them.
 
@@ -108,11 +123,18 @@ def calibrate(
         repeats: timed repeats of each size (the median counts), after one warm-up.
         algorithms: family -> algorithm whose formula the times are fitted to
             (``{"all_reduce": "tree"}``); default the ring.
+        between: seconds every rank computes (small matrix products) before each timed
+            message, as a training step computes between its messages. 0 (default): a tight
+            loop, the links' best case. Ranks that share CPU cores with each other and with
+            gloo's threads pay for compute before a message: the threads that carry it must
+            be scheduled again (on 2 cores, a 4 KiB exchange took 0.15 ms in a tight loop
+            and 1.1 ms after 3 ms of compute). ``between`` set to a step's typical gap
+            between its messages (:func:`~shardlab.cost.messages.gaps`) calibrates for that.
 
     Steps:
 
     1. on every rank, under :func:`shardlab.trace`: for each kind and size, one warm-up,
-       then ``repeats`` times a barrier and the message;
+       then ``repeats`` times a barrier, ``between`` seconds of compute, and the message;
     2. the ranks' events paired into messages, each timed from its last participant's post
        to its completion (:mod:`shardlab.cost.messages`: as :func:`predict` times a step);
     3. per kind, the median of the repeats of each size, and ``α``, ``β`` fitted to them
@@ -137,6 +159,8 @@ def calibrate(
         raise ValueError(f"sizes: payloads of at least 1 byte, got {sizes}")
     if repeats < 1:
         raise ValueError(f"repeats: at least 1, got {repeats}")
+    if not between >= 0:
+        raise ValueError(f"between: seconds >= 0, got {between}")
     algorithms = dict(algorithms or {})
     for fam, algorithm in algorithms.items():
         if algorithm not in ALGORITHMS.get(fam, ()):
@@ -146,16 +170,18 @@ def calibrate(
         world, backend = ranks.world_size, ranks.backend
         if world < 2:
             raise ValueError("ranks: calibrating messages needs 2 ranks or more")
-        events = [e for evs in ranks.run(_calibration_events, kinds, sizes, repeats) for e in evs]
+        every = ranks.run(_calibration_events, kinds, sizes, repeats, between)
+        events = [e for evs in every for e in evs]
     elif dist.is_available() and dist.is_initialized():
         world, backend = dist.get_world_size(), dist.get_backend()
         if world < 2:
             raise ValueError("calibrate: messages need 2 ranks or more")
-        mine = _calibration_events(kinds, sizes, repeats)
+        mine = _calibration_events(kinds, sizes, repeats, between)
         every = [None] * world
         dist.all_gather_object(every, mine)
         events = [e for evs in every for e in evs]
     else:
         raise ValueError("ranks: pass a shardlab.Ranks pool, or call calibrate() on every rank")
     where = f"{world} {backend} ranks on {os.cpu_count()} CPU cores"
+    where += f", {between * 1e3:g} ms of compute before each message" if between else ""
     return fit_model(calibration_samples(events), algorithms, where)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from shardlab.cost.formulas import family
 
-__all__ = ["Message", "in_flight_together", "messages"]
+__all__ = ["Message", "gaps", "in_flight_together", "messages"]
 
 
 @dataclass
@@ -41,6 +41,7 @@ class Message:
     group: tuple[int, ...]
     label: str
     events: list = field(default_factory=list)
+    key: tuple = ()  # (group, k): the k-th on its group; (sender, receiver, k); the same each step
 
     @property
     def p(self) -> int:
@@ -98,7 +99,7 @@ def messages(events) -> tuple[list[Message], dict]:
             mkey, group = (src, dst, counts[key]), (src, dst)
         msg = found.get(mkey)
         if msg is None:
-            msg = found[mkey] = Message(fam, group, e.label)
+            msg = found[mkey] = Message(fam, group, e.label, key=mkey)
         msg.events.append(e)
         of[id(e)] = msg
     return sorted(found.values(), key=lambda m: m.start), of
@@ -120,3 +121,14 @@ def in_flight_together(events) -> list[list]:
             runs.append([e])
             last_end = end
     return runs
+
+
+def gaps(events) -> list[float]:
+    """Seconds between one run of messages in flight and the next, on each rank: the
+    compute between a step's messages (for :func:`~shardlab.cost.calibrate`'s ``between``)."""
+    out = []
+    for rank in sorted({e.rank for e in events}):
+        runs = in_flight_together([e for e in events if e.rank == rank])
+        ends = [max((e.end or e.start + e.duration) for e in run) for run in runs]
+        out += [max(nxt[0].start - end, 0.0) for end, nxt in zip(ends, runs[1:])]
+    return out

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from shardlab.cost.formulas import wire_bytes
 from shardlab.cost.messages import in_flight_together, messages
+from shardlab.cost.model import _median
 
 __all__ = ["MessageCost", "Prediction", "predict"]
 
@@ -34,8 +35,9 @@ class Prediction:
         ranks: rank -> ``{"predicted", "measured", "in_calls"}`` seconds of communication
             in the step. Messages a rank had in flight at once (a halo's sends and receives)
             count once, as the longest of them; ``measured`` times each message from its
-            last participant's post (no waiting for late ranks); ``in_calls`` is the wall
-            time the rank spent with a message in flight, waiting included.
+            last participant's post (no waiting for late ranks; given several steps, its
+            median over them); ``in_calls`` is the wall time the rank spent with a message
+            in flight, waiting included (the median over the steps).
         where: the model's :attr:`~shardlab.cost.CostModel.where`.
     """
 
@@ -117,7 +119,9 @@ def predict(trace, model) -> Prediction:
     Args:
         trace: a :class:`shardlab.trace.Trace` (or a list of its events) of one step,
             best from every rank (opened in the kernel around ``ranks.run``, or the ranks'
-            events put together).
+            events put together); or a list of traces of the same step run several times:
+            each message's measured time is then its median over them (a step on a busy
+            machine has outliers; the model was fitted to medians too).
         model: a :class:`~shardlab.cost.CostModel` (:func:`~shardlab.cost.calibrate`).
 
     Steps:
@@ -133,26 +137,46 @@ def predict(trace, model) -> Prediction:
     """
     if model is None or not hasattr(model, "time"):
         raise TypeError(f"model: a shardlab.cost.CostModel, got {type(model).__name__}")
-    events = list(getattr(trace, "events", trace))
+    steps = _steps(trace)
+    events = steps[0]
     msgs, of = messages(events)
+    measured = {m.key: [m.measured()] for m in msgs}
+    for k, other in enumerate(steps[1:], 1):
+        again, _ = messages(other)
+        if {m.key: (m.kind, m.nbytes) for m in again} != {m.key: (m.kind, m.nbytes) for m in msgs}:
+            raise ValueError(f"trace: step {k} of the list sends other messages than step 0")
+        for m in again:
+            measured[m.key].append(m.measured())
     rows, cost = [], {}
     for m in msgs:
         kind = "send" if m.kind == "p2p" else m.kind
         predicted = model.time(kind, m.nbytes, m.p)
-        measured = m.measured()
-        cost[id(m)] = (predicted, measured)
+        known = [t for t in measured[m.key] if t is not None]
+        cost[id(m)] = (predicted, _median(known) if known else None)
         rows.append(MessageCost(m.kind, m.label, m.group, m.nbytes, m.bytes,
                                 wire_bytes(kind, m.nbytes, m.p, model.algorithm(kind)),
-                                predicted, measured))  # fmt: skip
+                                predicted, cost[id(m)][1]))  # fmt: skip
     ranks = {}
     for rank in sorted({e.rank for e in events}):
-        mine = [e for e in events if e.rank == rank]
-        runs = in_flight_together(mine)
+        runs = in_flight_together([e for e in events if e.rank == rank])
         ranks[rank] = {
             "predicted": sum(max(cost[id(of[id(e)])][0] for e in run) for run in runs),
             "measured": sum(max(cost[id(of[id(e)])][1] or 0.0 for e in run) for run in runs),
-            "in_calls": sum(
-                max((e.end or e.start + e.duration) for e in run) - run[0].start for run in runs
-            ),
+            "in_calls": _median([_in_calls(step, rank) for step in steps]),
         }
     return Prediction(rows, ranks, getattr(model, "where", ""))
+
+
+def _steps(trace) -> list[list]:
+    """The events of each step: one trace (or a list of events), or a list of traces."""
+    if isinstance(trace, (list, tuple)) and trace and hasattr(trace[0], "events"):
+        return [list(t.events) for t in trace]
+    if isinstance(trace, (list, tuple)) or hasattr(trace, "events"):
+        return [list(getattr(trace, "events", trace))]
+    raise TypeError(f"trace: a shardlab.trace.Trace or a list of them, got {type(trace).__name__}")
+
+
+def _in_calls(events, rank) -> float:
+    """Seconds ``rank`` had a message in flight (waiting for other ranks included)."""
+    runs = in_flight_together([e for e in events if e.rank == rank])
+    return sum(max((e.end or e.start + e.duration) for e in run) - run[0].start for run in runs)

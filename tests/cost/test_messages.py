@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardlab.cost import messages
-from shardlab.cost.messages import in_flight_together
+from shardlab.cost.messages import gaps, in_flight_together
 from shardlab.trace import Event
 
 
@@ -62,3 +62,14 @@ def test_in_flight_together():
         ev(0, 3, "all_reduce", (0, 1), 8, 1.6, 1.7),
     ]
     assert [[e.seq for e in run] for run in in_flight_together(events)] == [[0, 1], [2], [3]]
+
+
+def test_gaps_are_the_compute_between_runs():
+    events = [
+        ev(0, 0, "send", (0, 1), 8, 1.0, 1.3, peer=1),
+        ev(0, 1, "recv", (0, 1), 8, 1.1, 1.4, peer=1),
+        ev(0, 2, "all_reduce", (0, 1), 8, 1.5, 1.6),
+        ev(1, 0, "all_reduce", (0, 1), 8, 1.0, 1.6),
+        ev(1, 1, "all_reduce", (0, 1), 8, 1.9, 2.0),
+    ]
+    assert gaps(events) == pytest.approx([0.1, 0.3])

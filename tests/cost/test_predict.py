@@ -61,6 +61,22 @@ def test_predict_by_hand():
         predict(_halo_then_all_reduce(), None)
 
 
+def test_several_steps_take_each_messages_median():
+    import dataclasses
+
+    def slower(trace, by):
+        return Trace([dataclasses.replace(e, end=e.start + (e.end - e.start) * by) for e in trace])
+
+    one = _halo_then_all_reduce()
+    p = predict([one, slower(one, 3.0), slower(one, 1.5)], MODEL)
+    assert p.rows[2].measured == pytest.approx(1.5 * 50e-6)  # the median of 1, 3 and 1.5 x
+    assert p.predicted == predict(one, MODEL).predicted
+    with pytest.raises(ValueError, match="trace: step 1 of the list sends other messages"):
+        predict([one, Trace(one.events[:2] + one.events[3:5])], MODEL)  # no all-reduce
+    with pytest.raises(TypeError, match="trace: a shardlab.trace.Trace"):
+        predict(42, MODEL)
+
+
 def _a_few_messages(n):
     """Known messages: all-reduces, an all-gather and a halo exchange, traced."""
     me, p = dist.get_rank(), dist.get_world_size()
@@ -98,10 +114,12 @@ def test_calibrate_then_predict_a_fresh_trace(ranks_for, world):
 
 def test_calibrate_on_the_ranks_gives_every_rank_the_same_model(ranks_for):
     def body():
-        return calibrate(kinds=("all_reduce",), sizes=(64, 4096), repeats=2).to_dict()
+        return calibrate(kinds=("all_reduce",), sizes=(64, 4096), repeats=2, between=1e-3)
 
     models = ranks_for(2).run(body)
-    assert models[0] == models[1] and set(models[0]["links"]) == {"p2p", "all_reduce"}
+    assert models[0].to_dict() == models[1].to_dict()
+    assert set(models[0].links) == {"p2p", "all_reduce"}  # p2p: always
+    assert "1 ms of compute before each message" in models[0].where
 
 
 def test_calibrate_errors_name_the_argument():
@@ -111,3 +129,5 @@ def test_calibrate_errors_name_the_argument():
         calibrate(kinds=("gather",))
     with pytest.raises(ValueError, match="sizes: payloads"):
         calibrate(sizes=(0,))
+    with pytest.raises(ValueError, match="between: seconds >= 0"):
+        calibrate(between=-1.0)
