@@ -10,7 +10,7 @@ For each world size, in one pool:
 2. each model: two warm-up steps, then ``--steps`` steps, each under ``shardlab.trace()``;
 3. ``shardlab.cost.predict(trace, model)`` on each step: the step's communication time,
    predicted and measured (its slowest rank; a message timed from its last participant's
-   post to its completion, no waiting for late ranks: ``shardlab/cost/messages.py``), and
+   post to its completion, no waiting for late ranks: ``shardlab/cost/pairing.py``), and
    the bytes (the trace's, and the prediction's: the same events, paired into messages).
 
 Printed: the median over the steps of the measured and of the predicted time, their ratio,

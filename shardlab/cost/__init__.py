@@ -10,21 +10,21 @@
     print(p)                                      # per kind, per rank, the step
     p.predicted, p.measured                       # the step's communication, seconds
 
-- :mod:`.formulas`: ``t = a·α + b·β`` for a point-to-point message and the standard
+- ``formulas.py``: ``t = a·α + b·β`` for a point-to-point message and the standard
   algorithms of each collective (ring, tree), and what ``Event.bytes`` means for each;
-- :mod:`.model`: :class:`CostModel`, one ``(α, β)`` link per kind, and the fit;
-- :mod:`.messages`: a trace's events paired into messages, their measured time;
-- :mod:`.calibrate`: :func:`calibrate`, on the ranks at hand;
-- :mod:`.predict`: :func:`predict`, a trace's messages and step, predicted and measured.
+- ``model.py``: :class:`CostModel`, one ``(α, β)`` link per kind, and the fit;
+- ``pairing.py``: a trace's events paired into messages, their measured time;
+- ``calibrate.py``: :func:`calibrate`, on the ranks at hand;
+- ``predict.py``: :func:`predict`, a trace's messages and step, predicted and measured.
 
 The top layer: it reads traces (:mod:`shardlab.trace`) and runs on a pool
-(:mod:`shardlab.runtime`); nothing below imports it. Guide: ``docs/guides/cost.md``.
+(``shardlab.runtime``); nothing below imports it. Guide: ``docs/guides/cost.md``.
 """
 
 from shardlab.cost.calibrate import calibrate
 from shardlab.cost.formulas import Link, coefficients, formula_bytes, wire_bytes
-from shardlab.cost.messages import Message, gaps, messages
 from shardlab.cost.model import CostModel, fit_link
+from shardlab.cost.pairing import Message, gaps, messages
 from shardlab.cost.predict import MessageCost, Prediction, predict
 
 __all__ = [

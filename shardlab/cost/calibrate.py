@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 from shardlab.cost.formulas import ALGORITHMS
-from shardlab.cost.messages import messages
 from shardlab.cost.model import CostModel, fit_model
+from shardlab.cost.pairing import messages
 
 __all__ = ["DEFAULT_KINDS", "DEFAULT_SIZES", "calibrate", "calibration_samples"]
 
@@ -92,7 +92,7 @@ def _calibration_events(kinds, sizes, repeats, between=0.0) -> list:
 def calibration_samples(events) -> dict[str, list]:
     """family -> ``[(Event.bytes, group size, measured seconds), ...]``, one per message of
     the calibration's ``events`` (every rank's), timed as
-    :meth:`~shardlab.cost.messages.Message.measured` times a trace's messages."""
+    :meth:`~shardlab.cost.Message.measured` times a trace's messages."""
     samples: dict[str, list] = {}
     for m in messages(events)[0]:
         t = m.measured()
@@ -129,16 +129,16 @@ def calibrate(
             gloo's threads pay for compute before a message: the threads that carry it must
             be scheduled again (on 2 cores, a 4 KiB exchange took 0.15 ms in a tight loop
             and 1.1 ms after 3 ms of compute). ``between`` set to a step's typical gap
-            between its messages (:func:`~shardlab.cost.messages.gaps`) calibrates for that.
+            between its messages (:func:`~shardlab.cost.gaps`) calibrates for that.
 
     Steps:
 
     1. on every rank, under :func:`shardlab.trace`: for each kind and size, one warm-up,
        then ``repeats`` times a barrier, ``between`` seconds of compute, and the message;
     2. the ranks' events paired into messages, each timed from its last participant's post
-       to its completion (:mod:`shardlab.cost.messages`: as :func:`predict` times a step);
+       to its completion (``shardlab/cost/pairing.py``: as :func:`predict` times a step);
     3. per kind, the median of the repeats of each size, and ``α``, ``β`` fitted to them
-       (:func:`~shardlab.cost.model.fit_link`: least squares, relative, ``α, β >= 0``).
+       (:func:`~shardlab.cost.fit_link`: least squares, relative, ``α, β >= 0``).
 
     With the default 6 kinds and 5 sizes: 180 timed messages, a few seconds on 2 to 4 gloo
     ranks.

@@ -115,7 +115,7 @@ def _log2(p: int) -> int:
 def coefficients(kind: str, n: float, p: int, algorithm: str | None = None):
     """``(a, b)`` of ``t = a·α + b·β`` for ``kind`` moving ``n`` bytes (the formula's ``n``:
     :func:`formula_bytes`) in a group of ``p`` ranks, by ``algorithm`` (default: the
-    first of :data:`ALGORITHMS`). A group of one rank sends nothing: ``(0, 0)``."""
+    first of ``ALGORITHMS``). A group of one rank sends nothing: ``(0, 0)``."""
     fam = family(kind)
     algorithm = algorithm or ALGORITHMS[fam][0]
     if algorithm not in ALGORITHMS[fam]:

@@ -1,4 +1,4 @@
-"""A cost model: one :class:`~shardlab.cost.formulas.Link` per kind of message, and the
+"""A cost model: one :class:`~shardlab.cost.Link` per kind of message, and the
 least-squares fit that calibrates it from measured times."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ __all__ = ["CostModel", "fit_link"]
 @dataclass
 class CostModel:
     """What a message costs: ``links[family]`` (``"p2p"``, ``"all_reduce"``, …) gives the
-    ``α`` and ``β`` that family's formula (:mod:`shardlab.cost.formulas`) is evaluated
+    ``α`` and ``β`` that family's formula (``shardlab/cost/formulas.py``) is evaluated
     with; a family without a link of its own uses ``links["p2p"]``.
 
     Attributes:
-        links: family -> :class:`~shardlab.cost.formulas.Link`; ``"p2p"`` is required.
+        links: family -> :class:`~shardlab.cost.Link`; ``"p2p"`` is required.
         algorithms: family -> algorithm (``{"all_reduce": "tree"}``); the rest use the
-            first of :data:`~shardlab.cost.formulas.ALGORITHMS`.
+            first of ``shardlab.cost.formulas.ALGORITHMS``.
         where: what it describes, in words (``"2 gloo ranks on 2 CPU cores"``).
         samples: family -> ``[(Event.bytes, group size, seconds), ...]`` it was fitted
             to (empty for a model written by hand).

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardlab.cost.formulas import wire_bytes
-from shardlab.cost.messages import in_flight_together, messages
 from shardlab.cost.model import _median
+from shardlab.cost.pairing import in_flight_together, messages
 
 __all__ = ["MessageCost", "Prediction", "predict"]
 
@@ -38,7 +38,7 @@ class Prediction:
             last participant's post (no waiting for late ranks; given several steps, its
             median over them); ``in_calls`` is the wall time the rank spent with a message
             in flight, waiting included (the median over the steps).
-        where: the model's :attr:`~shardlab.cost.CostModel.where`.
+        where: the model's ``where``.
     """
 
     rows: list[MessageCost]
@@ -126,9 +126,9 @@ def predict(trace, model) -> Prediction:
 
     Steps:
 
-    1. pair the ranks' events into messages (:func:`shardlab.cost.messages.messages`);
+    1. pair the ranks' events into messages (:func:`~shardlab.cost.messages`);
     2. each message: the model's seconds for its kind, bytes and group size, and the
-       measured seconds (:meth:`~shardlab.cost.messages.Message.measured`);
+       measured seconds (:meth:`~shardlab.cost.Message.measured`);
     3. each rank: its events cut into runs in flight at once; a run costs its longest
        message; the rank's communication time is the sum over its runs;
     4. the step: its slowest rank.

@@ -1,12 +1,12 @@
 """A trace's events paired into messages, and their measured time
-(shardlab/cost/messages.py), on events written by hand."""
+(shardlab/cost/pairing.py), on events written by hand."""
 
 from __future__ import annotations
 
 import pytest
 
 from shardlab.cost import messages
-from shardlab.cost.messages import gaps, in_flight_together
+from shardlab.cost.pairing import gaps, in_flight_together
 from shardlab.trace import Event
 
 
