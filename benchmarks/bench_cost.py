@@ -13,9 +13,12 @@ For each world size, in one pool:
    post to its completion, no waiting for late ranks: ``shardlab/cost/pairing.py``), and
    the bytes (the trace's, and the prediction's: the same events, paired into messages).
 
-Printed: the median over the steps of the measured and of the predicted time, their ratio,
-the spread of the measured (min .. max), the time the slowest rank spent inside
-communication calls (waiting included), and per kind the totals over the steps.
+Printed, for each model calibrated twice (in a tight loop, and with the step's median
+compute gap between messages before each timed one: ``calibrate(between=)``): the step's
+measured communication time (each message's median over the steps, summed on the slowest
+rank; beside it the smallest and largest of the single steps, each a sum of single
+messages), the predicted, their ratio, the time the slowest rank spent inside communication
+calls (waiting for late ranks included), the bytes, and per kind the same sums.
 
 The U-Net: tutorial 09's (width 8, float64, 4 images of 32 x 32, rows cut over the ranks,
 scattered from rank 0, Adam). The decoder: tutorial 10's tiny Llama (transformers, 1
@@ -172,7 +175,7 @@ def main() -> None:
                     each = [predict(t, model).measured for t in traces]
                     results.append((which, world, name, traces, predict(traces, model), each))
     print(
-        "| model | ranks | calibrated | messages | measured ms (steps: min .. max) | "
+        "| model | ranks | calibrated | messages | measured ms (one step: min .. max) | "
         "predicted ms | predicted / measured | in calls ms | bytes traced | bytes predicted |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
