@@ -56,6 +56,7 @@ class CostModel:
         return self.links.get(family(kind), self.links["p2p"])
 
     def algorithm(self, kind: str) -> str:
+        """The algorithm ``kind`` is costed with (``"ring"``, ``"tree"``, ...)."""
         fam = family(kind)
         return self.algorithms.get(fam, ALGORITHMS[fam][0])
 
@@ -96,6 +97,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
+        """The model :meth:`to_dict` wrote."""
         links = {k: Link(*v) for k, v in d["links"].items()}
         samples = {k: [tuple(r) for r in v] for k, v in d.get("samples", {}).items()}
         return cls(links, d.get("algorithms", {}), d.get("where", ""), samples)

@@ -60,6 +60,7 @@ class Message:
 
     @property
     def start(self) -> float:
+        """When its first participant posted it (``time.perf_counter()``)."""
         return min(e.start for e in self.events)
 
     def measured(self) -> float | None:

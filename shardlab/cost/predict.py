@@ -47,17 +47,17 @@ class Prediction:
 
     @property
     def predicted(self) -> float:
-        """The step's predicted communication time: its slowest rank's, in seconds."""
+        """Seconds of the step's predicted communication (its slowest rank's)."""
         return max((r["predicted"] for r in self.ranks.values()), default=0.0)
 
     @property
     def measured(self) -> float:
-        """The step's measured communication time: its slowest rank's, in seconds."""
+        """Seconds of the step's measured communication (its slowest rank's)."""
         return max((r["measured"] for r in self.ranks.values()), default=0.0)
 
     @property
     def ratio(self) -> float:
-        """predicted / measured (1.0: exact; nan without a measured time)."""
+        """``predicted / measured`` (1.0 is exact; nan without a measured time)."""
         return self.predicted / self.measured if self.measured else float("nan")
 
     @property
