@@ -23,6 +23,7 @@ __all__ = [
     "RankError",
     "Ranks",
     "ShardTensor",
+    "cost",
     "disable",
     "distribute",
     "enable",
@@ -39,6 +40,7 @@ __all__ = [
 # name -> module that defines it (these import torch, so they load on first use)
 _LAZY = {
     "trace": "shardlab.trace",
+    "cost": "shardlab.cost",
     "explain": "shardlab.explainer.explain",
     "ShardTensor": "shardlab.tensor",
     "distribute": "shardlab.tensor",

@@ -34,6 +34,7 @@ logger = logging.getLogger("shardlab_docs")
 PUBLIC_MODULES = [
     "shardlab",
     "shardlab.trace",
+    "shardlab.cost",
     "shardlab.explainer.explain",
     "shardlab.viz",
     "shardlab.lm",

@@ -42,7 +42,11 @@ class Event:
     for a message the mesh dim whose group holds both ends (None: the whole world of a
     2-D mesh, or no mesh given to ``trace``).
     ``duration`` is the time of the call in seconds (for an asynchronous op,
-    the time to issue it).
+    the time to issue it). ``end`` is when this rank saw the message complete
+    (``time.perf_counter()``, as ``start``): its ``Work.wait()`` returned (``dist.all_reduce``
+    waits at once, ``batch_isend_irecv``'s caller later; ``wait_tensor`` for a functional
+    collective); 0.0 where it was not waited for inside the trace. ``end - start`` is the
+    message's time on this rank, waiting for the other ranks included.
     """
 
     rank: int
@@ -59,6 +63,7 @@ class Event:
     api: str = "c10d"
     start: float = 0.0
     duration: float = 0.0
+    end: float = 0.0
 
     @property
     def is_p2p(self) -> bool:

@@ -86,6 +86,8 @@ _OPEN: list = []  # the traces open in this process (any thread), oldest first
 _LIBS: list = []  # the torch.library registrations while any trace is open
 _INSTALL = threading.Lock()
 _BUSY = threading.local()  # inside a recorded op: its inner ops are not recorded again
+# id(Work or output tensor) -> (it, its events), until it is waited for (Event.end)
+_PENDING: dict = {}
 
 
 def _comm_ops():
@@ -121,8 +123,21 @@ def _kernel(op, spec):
             took = time.perf_counter() - start
         finally:
             _BUSY.on = False
-        for rec in list(_OPEN):
-            rec._record(spec, args, kwargs, start, took)
+        events = [rec._record(spec, args, kwargs, start, took) for rec in list(_OPEN)]
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                _PENDING[id(t)] = (t, events)  # its wait_tensor sets Event.end
+        return out
+
+    return kernel
+
+
+def _wait_kernel(op):
+    """``wait_tensor``'s Python kernel: wait; the collective that made the tensor is done."""
+
+    def kernel(keyset, *args, **kwargs):
+        out = op.redispatch(keyset.remove(_BACKEND_SELECT), *args, **kwargs)
+        _done(args[0] if args else kwargs.get("tensor"))
         return out
 
     return kernel
@@ -141,16 +156,46 @@ def _method(name, call):
             took = time.perf_counter() - start
         finally:
             _BUSY.on = False
-        for rec in list(_OPEN):
-            rec._record_method(name, self, args, kwargs, start, took)
+        events = [rec._record_method(name, self, args, kwargs, start, took) for rec in list(_OPEN)]
+        if isinstance(out, _work_class()):
+            _PENDING[id(out)] = (out, events)  # its wait() sets Event.end
         return out
 
     method.__name__ = name
     return method
 
 
+def _work_wait(call):
+    """The wrapper of ``Work.wait``: wait; the message it carries is done on this rank."""
+
+    def wait(self, *args, **kwargs):
+        out = call(self, *args, **kwargs)
+        _done(self)
+        return out
+
+    wait.__name__ = "wait"
+    return wait
+
+
+def _done(obj) -> None:
+    """``obj`` (a Work, a functional collective's output) completed: set its events' end."""
+    pending = _PENDING.pop(id(obj), None)
+    if pending is not None and pending[0] is obj:
+        now = time.perf_counter()
+        for event in pending[1]:
+            if event is not None:
+                event.end = now
+
+
+def _work_class():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d.Work
+
+
 _KERNELS: list = []  # (namespace, qualified name, kernel), made once per process
 _SAVED: dict = {}  # ProcessGroup attribute -> its own descriptor, while wrapped
+_SAVED_WAIT: list = []  # Work.wait's own descriptor, while wrapped
 
 
 def open_recorder(rec) -> None:
@@ -161,6 +206,9 @@ def open_recorder(rec) -> None:
         if not _KERNELS:
             for ns, qual, op, spec in _comm_ops():
                 _KERNELS.append((ns, qual, _kernel(op, spec)))
+            wait = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+            if wait is not None:
+                _KERNELS.append(("_c10d_functional", "wait_tensor", _wait_kernel(wait.default)))
         if not _OPEN:
             libs = {}
             for ns, qual, kernel in _KERNELS:
@@ -172,6 +220,9 @@ def open_recorder(rec) -> None:
                 if name in vars(pg):  # (the descriptor; getattr gives the callable)
                     _SAVED[name] = vars(pg)[name]
                     setattr(pg, name, _method(name, getattr(pg, name)))
+            work = _work_class()
+            _SAVED_WAIT[:] = [vars(work)["wait"]]
+            work.wait = _work_wait(work.wait)
         _OPEN.append(rec)
 
 
@@ -187,6 +238,9 @@ def close_recorder(rec) -> None:
             for name, descriptor in _SAVED.items():
                 setattr(dist.ProcessGroup, name, descriptor)
             _SAVED.clear()
+            if _SAVED_WAIT:
+                _work_class().wait = _SAVED_WAIT.pop()
+            _PENDING.clear()
 
 
 def installed() -> bool:

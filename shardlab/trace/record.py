@@ -87,16 +87,16 @@ class _Recorder:
 
                 self.mesh_groups.append(tuple(dist.get_process_group_ranks(mesh.get_group(d))))
 
-    def _record(self, spec, args, kwargs, start, duration) -> None:
+    def _record(self, spec, args, kwargs, start, duration) -> Event | None:
         """A functional collective; ``spec``: (what it is, its API, argument names, name)."""
         (kind, payload_name, peer_name), api, names, op = spec
         bound = dict(zip(names, args))
         bound.update(kwargs)
         group, pg = _named_group(bound.get("group_name"))
         peer = bound.get(peer_name) if peer_name else None
-        self._event(kind, bound.get(payload_name), group, pg, peer, op, api, start, duration)
+        return self._event(kind, bound.get(payload_name), group, pg, peer, op, api, start, duration)
 
-    def _record_method(self, name, pg, args, kwargs, start, duration) -> None:
+    def _record_method(self, name, pg, args, kwargs, start, duration) -> Event | None:
         """A ``ProcessGroup`` method's call (:data:`~.hooks.METHODS`)."""
         kind, at, peer_at = hooks.METHODS[name]
         payload = None
@@ -121,9 +121,12 @@ class _Recorder:
             import torch.distributed as dist
 
             known = self.groups[id(pg)] = (tuple(dist.get_process_group_ranks(pg)), pg)
-        self._event(kind, payload, known[0], pg, peer, f"c10d.{name}", "c10d", start, duration)
+        return self._event(
+            kind, payload, known[0], pg, peer, f"c10d.{name}", "c10d", start, duration
+        )
 
-    def _event(self, kind, payload, group, pg, peer, op, api, start, duration) -> None:
+    def _event(self, kind, payload, group, pg, peer, op, api, start, duration) -> Event | None:
+        """Append the event (returned; None for a fake run, which sends nothing)."""
         if isinstance(payload, torch.Tensor):
             tensors = [payload]
         elif isinstance(payload, list) and all(isinstance(t, torch.Tensor) for t in payload):
@@ -131,30 +134,30 @@ class _Recorder:
         else:  # nested lists (allgather's outputs), or None
             tensors = [t for t in tree_leaves(payload) if isinstance(t, torch.Tensor)]
         if tensors and tensors[0].device.type == "meta":
-            return  # a fake run (FakeTensorMode, tracing for torch.compile): no message
+            return None  # a fake run (FakeTensorMode, tracing for torch.compile): no message
         if peer is not None and peer >= 0:
             peer = group[peer]  # the group's ranks, in group-rank order
         mesh_dim = next((d for d, g in enumerate(self.mesh_groups) if g == group), None)
         if mesh_dim is None and peer is not None:  # a message: the mesh dim it travels along
             mesh_dim = next((d for d, g in enumerate(self.mesh_groups) if peer in g), None)
-        self.events.append(
-            Event(
-                rank=self.rank,
-                seq=len(self.events),
-                kind=kind,
-                op=op,
-                group=group,
-                peer=peer,
-                bytes=sum(t.numel() * t.element_size() for t in tensors),
-                dtype=str(tensors[0].dtype).replace("torch.", "") if tensors else "",
-                shapes=tuple(tuple(t.shape) for t in tensors),
-                label=_LABEL.get(),
-                mesh_dim=mesh_dim,
-                api=api,
-                start=start,
-                duration=duration,
-            )
+        event = Event(
+            rank=self.rank,
+            seq=len(self.events),
+            kind=kind,
+            op=op,
+            group=group,
+            peer=peer,
+            bytes=sum(t.numel() * t.element_size() for t in tensors),
+            dtype=str(tensors[0].dtype).replace("torch.", "") if tensors else "",
+            shapes=tuple(tuple(t.shape) for t in tensors),
+            label=_LABEL.get(),
+            mesh_dim=mesh_dim,
+            api=api,
+            start=start,
+            duration=duration,
         )
+        self.events.append(event)
+        return event
 
 
 def _default_mesh():

@@ -143,6 +143,45 @@ def test_functional_collectives_and_dtensor(ranks_for):
         assert ev[-1] == ("all_gather", "functional", 16, "demo.gather forward")
 
 
+def test_end_is_when_the_rank_waited(ranks_for):
+    """``Event.end``: when the message's ``Work.wait()`` (c10d; ``batch_isend_irecv``'s
+    caller waits later) or ``wait_tensor`` (functional) returned; 0.0 for a message never
+    waited for inside the trace. Nothing is left pending or installed."""
+
+    def body():
+        import time
+
+        import torch.distributed._functional_collectives as funcol
+
+        from shardlab.trace import hooks
+
+        me, n = this_rank().rank, this_rank().world_size
+        x, got = torch.ones(1000), torch.empty(1000)
+        with shardlab.trace() as t:
+            dist.all_reduce(x)
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, x, (me + 1) % n), dist.P2POp(dist.irecv, got, (me - 1) % n)]
+            )
+            time.sleep(0.02)  # posted, not yet waited for
+            for w in works:
+                w.wait()
+            float(funcol.all_reduce(torch.ones(5), "sum", this_rank().mesh).sum())
+            late = dist.all_reduce(x, async_op=True)
+        late.wait()  # after the trace: its event keeps end 0.0
+        assert _no_modes() and not hooks._PENDING
+        return [(e.kind, e.api, e.end - e.start if e.end else 0.0, e.duration) for e in t.events]
+
+    for events in ranks_for(2).run(body):
+        assert [(k, api) for k, api, *_ in events] == [
+            ("all_reduce", "c10d"), ("send", "c10d"), ("recv", "c10d"),
+            ("all_reduce", "functional"), ("all_reduce", "c10d"),
+        ]  # fmt: skip
+        took = [e[2] for e in events]
+        assert took[0] >= events[0][3] > 0 and took[3] > 0
+        assert min(took[1:3]) >= 0.02  # issued, then waited for after the sleep
+        assert took[4] == 0.0
+
+
 def test_nested_inference_backward_and_nothing_left(ranks_for):
     """Nested traces both see a message; a trace opened in inference mode, and the
     messages of a backward pass, are recorded; nothing stays installed, and the op

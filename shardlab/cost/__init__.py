@@ -1,0 +1,44 @@
+"""A cost model of messages: latency plus bytes over bandwidth.
+
+::
+
+    model = shardlab.cost.calibrate(ranks)        # seconds: a few sizes of each kind
+    print(model)                                  # α and bandwidth per kind
+    with shardlab.trace() as t:
+        ranks.run(train_step)
+    p = shardlab.cost.predict(t, model)
+    print(p)                                      # per kind, per rank, the step
+    p.predicted, p.measured                       # the step's communication, seconds
+
+- ``formulas.py``: ``t = a·α + b·β`` for a point-to-point message and the standard
+  algorithms of each collective (ring, tree), and what ``Event.bytes`` means for each;
+- ``model.py``: :class:`CostModel`, one ``(α, β)`` link per kind, and the fit;
+- ``pairing.py``: a trace's events paired into messages, their measured time;
+- ``calibrate.py``: :func:`calibrate`, on the ranks at hand;
+- ``predict.py``: :func:`predict`, a trace's messages and step, predicted and measured.
+
+The top layer: it reads traces (:mod:`shardlab.trace`) and runs on a pool
+(``shardlab.runtime``); nothing below imports it. Guide: ``docs/guides/cost.md``.
+"""
+
+from shardlab.cost.calibrate import calibrate
+from shardlab.cost.formulas import Link, coefficients, formula_bytes, wire_bytes
+from shardlab.cost.model import CostModel, fit_link
+from shardlab.cost.pairing import Message, gaps, messages
+from shardlab.cost.predict import MessageCost, Prediction, predict
+
+__all__ = [
+    "CostModel",
+    "Link",
+    "Message",
+    "MessageCost",
+    "Prediction",
+    "calibrate",
+    "coefficients",
+    "fit_link",
+    "formula_bytes",
+    "gaps",
+    "messages",
+    "predict",
+    "wire_bytes",
+]
