@@ -18,23 +18,23 @@ def test_a_gather_warns_once_per_op_and_layout_on_every_rank(ranks_for):
         import shardlab
 
         mesh = shardlab.this_rank().mesh
-        g = torch.randn(9, 6, dtype=torch.float64)
+        g = torch.randn(9, dtype=torch.float64)
         x = shardlab.distribute(g, mesh, [Shard(0)], [[5, 4]])
         whole = shardlab.distribute(g, mesh, [Replicate()])
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            y = torch.fft.rfft(x, dim=0)  # along the cut dim: no rule yet, the fallback
-            torch.fft.rfft(x, dim=0)  # the same op and layout: warned already
-            torch.fft.rfft(whole, dim=0)  # every rank holds it whole: no gather
+            y = torch.fft.rfft(x)  # a signal cut along its only dim: no rule, the fallback
+            torch.fft.rfft(x)  # the same op and layout: warned already
+            torch.fft.rfft(whole)  # every rank holds it whole: no gather
         said = [str(m.message) for m in w if issubclass(m.category, shardlab.GatherWarning)]
-        return said, torch.allclose(y.full_tensor(), torch.fft.rfft(g, dim=0))
+        return said, torch.allclose(y.full_tensor(), torch.fft.rfft(g))
 
     for said, exact in ranks_for(2).run(body):
         assert exact
         assert len(said) == 1, said
         (msg,) = said
         assert "_fft_r2c has no rule" in msg and "Shard(0) sizes [5, 4] on mesh dim 0" in msg
-        assert "(9, 6) onto every rank (432 B per rank" in msg and "a rule is missing" in msg
+        assert "(9,) onto every rank (72 B per rank" in msg and "a rule is missing" in msg
 
 
 def test_gathers_raise_refuses_on_every_rank_before_sending(ranks_for):
@@ -44,24 +44,24 @@ def test_gathers_raise_refuses_on_every_rank_before_sending(ranks_for):
         import shardlab
 
         mesh = shardlab.this_rank().mesh
-        x = shardlab.distribute(torch.randn(7, 4), mesh, [Shard(0)], [[4, 3]])
+        x = shardlab.distribute(torch.randn(7), mesh, [Shard(0)], [[4, 3]])  # (one dim)
         out = {}
         with shardlab.trace() as t:
             try:
                 with shardlab.gathers("raise"):
-                    torch.fft.fft(x, dim=0)
+                    torch.fft.fft(x)
             except shardlab.GatherError as e:
                 out["raised"] = "_fft_r2c" in str(e) and "refused" in str(e)
         out["sent"] = len(t.events)
         try:
             with shardlab.patched(gather="raise"):
-                torch.fft.rfft(x, dim=0)
+                torch.fft.rfft(x)
         except shardlab.GatherError:
             out["patched"] = True
-        y = torch.fft.rfft(x, dim=0)  # outside the scopes: the default (warns), exact
-        out["after"] = y.shape == (4, 4)
+        y = torch.fft.rfft(x)  # outside the scopes: the default (warns), exact
+        out["after"] = y.shape == (4,)
         with shardlab.gathers("ignore"), shardlab.patched(gather=None):
-            out["ignored"] = torch.fft.rfft(x * 3, dim=0).shape == (4, 4)
+            out["ignored"] = torch.fft.rfft(x * 3).shape == (4,)
         return out
 
     for out in ranks_for(2).run(body):
@@ -102,7 +102,7 @@ def test_explain_lists_the_gathers_per_module(ranks_for):
 
         class Spectrum(torch.nn.Module):
             def forward(self, x):
-                return torch.fft.rfft(x, dim=0).abs()  # along the cut dim: gathered
+                return torch.fft.rfft(x.sum(1)).abs()  # a cut 1-D signal: gathered
 
         class Model(torch.nn.Module):
             def __init__(self):

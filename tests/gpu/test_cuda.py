@@ -192,9 +192,10 @@ def test_dropout_mask_is_made_on_the_gpu_and_equals_the_cpu_one(cuda_ranks_for):
 
 
 def test_whole_tensor_fallback_with_strided_arguments_on_cuda(cuda_ranks_for):
-    """An op with no rule (``scatter_add``) on CUDA ShardTensors whose global strides are
-    not the gathered tensor's (an index expanded over a dim, a transposed source): the
-    gathered copies keep those strides on the GPU, equal to one device."""
+    """An op with no rule (``scatter_reduce`` "mean" of cut entries into a whole target)
+    on CUDA ShardTensors whose global strides are not the gathered tensor's (an index
+    expanded over a dim, a transposed source): the gathered copies keep those strides on
+    the GPU, equal to one device."""
 
     def body():
         from torch.distributed.tensor import Shard
@@ -208,8 +209,8 @@ def test_whole_tensor_fallback_with_strided_arguments_on_cuda(cuda_ranks_for):
         s_src = distribute(src, mesh, [Shard(1)], [[5, 4]]).t()  # (rows, cols), strides (1, 9)
         s_idx = distribute(idx, mesh, [Shard(0)], [[5, 4]])[:, None].expand(9, 4)
         zeros = torch.zeros(3, 4, dtype=torch.float64, device=dev)
-        got = zeros.scatter_add(0, s_idx, s_src)
-        ref = zeros.scatter_add(0, idx[:, None].expand(9, 4), src.t())
+        got = zeros.scatter_reduce(0, s_idx, s_src, "mean")
+        ref = zeros.scatter_reduce(0, idx[:, None].expand(9, 4), src.t(), "mean")
         return got.to_local().device.type, (got.full_tensor() - ref).abs().max().item()
 
     for kind, err in cuda_ranks_for(2).run(body):
