@@ -178,3 +178,36 @@ def test_writes_from_cut_entries_into_a_whole_target_are_partial_without_message
     for bad, sent in ranks_for(world).run(_sources_body, world):
         assert not bad, bad[:3]
         assert all(kind == "Partial" and count == 0 for _, kind, count in sent), sent[:3]
+
+
+def test_index_tensors_given_as_shard_tensors_in_the_list(ranks_for):
+    """``x[i]`` where ``i`` is itself a ShardTensor (the index list reaches the blocks as
+    it is): a whole index on a cut ``x``, a cut index into a whole ``x`` (a loss's
+    ``weight[target]``), and a write through them; equal to one device, no gather."""
+
+    def body():
+        from torch.distributed.tensor import Replicate, Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        g = torch.randn(6, 2, dtype=torch.float64)
+        idx = torch.tensor([5, 0, 3, 3])
+        x = shardlab.distribute(g, mesh, [Shard(0)], [[3, 0, 3]])
+        whole_idx = shardlab.distribute(idx, mesh, [Replicate()])
+        cut_idx = shardlab.distribute(idx, mesh, [Shard(0)], [[1, 2, 1]])
+        with shardlab.gathers("raise"):
+            picked = x[whole_idx]
+            by_cut = g[cut_idx]
+            y = x * 1
+            y[whole_idx] = torch.ones(4, 2, dtype=torch.float64)
+        want = g.clone()
+        want[idx] = 1.0
+        return (
+            torch.equal(picked.full_tensor(), g[idx]),
+            torch.equal(by_cut.full_tensor(), g[idx]) and by_cut.placements == (Shard(0),),
+            torch.equal(y.full_tensor(), want),
+        )
+
+    for out in ranks_for(3).run(body):
+        assert out == (True, True, True), out

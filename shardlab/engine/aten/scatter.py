@@ -349,7 +349,8 @@ class _ValuesLines:
 
     def __call__(self, args, kwargs):
         values = args[2] if self.v is None else args[2].narrow(self.v, self.lo, self.n)
-        return self.func(args[0], args[1], values, *args[3:], **kwargs)
+        indices = [None if i is None else c.local(i) for i in args[1]]
+        return self.func(args[0], indices, values, *args[3:], **kwargs)
 
 
 class _OwnIndex:
@@ -361,7 +362,8 @@ class _OwnIndex:
         self.dim, self.lo, self.n, self.size, self.shape = dim, lo, n, size, shape
 
     def __call__(self, args, kwargs):
-        x, index = args[0], [i for i in args[1] if i is not None][0]
+        x, index = args[0], c.local([i for i in args[1] if i is not None][0])  # (a list's
+        # ShardTensors reach the local call as they are)
         index = _checked(aten.index_select.default, index, self.size, self.dim)
         if self.n == 0:
             return x.new_zeros(self.shape)
@@ -378,7 +380,7 @@ class _OwnPuts(_OwnRows):
     __slots__ = ()
 
     def __call__(self, args, kwargs):
-        x, indices = args[0], list(args[1])
+        x, indices = args[0], [None if i is None else c.local(i) for i in args[1]]
         index = _checked(aten.index_select.default, indices[self.dim], self.size, self.dim)
         inside = (index >= self.lo) & (index < self.lo + self.n)
         indices[self.dim] = torch.where(inside, index - self.lo, self.n)  # 1.

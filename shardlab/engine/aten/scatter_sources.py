@@ -151,4 +151,15 @@ def by_cut_index(func, args, kwargs):
     places = [Shard(p.dim + dim) if isinstance(p, Shard) else p for p in lay.placements]
     sizes = [lay.sizes_arg(m) for m in range(len(places))]
     out = ShardLayout.build(shape, lay.mesh_shape, places, sizes)
-    return Plan(index.device_mesh, out, None, c.op_name(func))
+    local = _IndexBlocks() if func is aten.index.Tensor else None
+    return Plan(index.device_mesh, out, None, c.op_name(func), local)
+
+
+class _IndexBlocks:
+    """``x[index]`` on the blocks: the index list's ShardTensors as their blocks (a list
+    reaches the local call as it is)."""
+
+    __slots__ = ()
+
+    def __call__(self, args, kwargs):
+        return aten.index.Tensor(args[0], [None if i is None else c.local(i) for i in args[1]])
