@@ -32,6 +32,7 @@ __all__ = [
     "scatter_tensor",
     "this_rank",
     "trace",
+    "zero",
     "__version__",
 ]
 
@@ -49,6 +50,7 @@ _LAZY = {
     "gathers": "shardlab.comm.gathers",
     "GatherWarning": "shardlab.comm.gathers",
     "GatherError": "shardlab.comm.gathers",
+    "zero": "shardlab.zero",
 }
 
 
