@@ -23,12 +23,16 @@ Torch's stage 2 (FSDP2 without resharding after forward, what ``measure`` builds
 the end of backward: :class:`Prediction` gives both what stays between steps
 (``params``, ``grads``, ``optim``) and the paper's columns (``paper``).
 
-The peak of a step adds what the table leaves out (:attr:`Prediction.peak`, bytes):
+The peak of a step adds what the table leaves out (:attr:`Prediction.peak`, bytes). It
+comes at the start of backward, when every activation is still alive:
 
 * ``activations``: what one forward and backward of the rank's batch keeps alive at its
   worst (not a model state; the same at every stage for the same local batch);
-* the parameters gathered whole at once (stages 2 and 3) and FSDP's flat all-gather
-  buffer, which holds one unit's parameters again until they are copied out of it.
+* stages 0 and 1: nothing else (DDP's gradient buckets are in the table already);
+* stages 2 and 3, whose gradients ``zero_grad`` set to None: the parameters gathered whole
+  (stage 2: all of them; stage 3: the root's own, the last block and the one gathered
+  ahead of it), and the first gradients, whole until they are reduce-scattered (the
+  root's, whose output layer comes first in backward, and the last block's).
 """
 
 from __future__ import annotations
@@ -117,16 +121,17 @@ def predict(
     )
     # 2. between steps torch's stage 2 keeps its parameters cut, as stage 3 does
     kept = (p * psi / n if stage >= 2 else paper[0], paper[1], paper[2])
-    # 3. the peak of a step: the states, what is gathered whole at once, the activations
+    # 3. the peak of a step, at the start of backward: every activation still alive
     blocks, root = units[:-1], units[-1]
-    buffer = p * max(units)  # FSDP's flat all-gather buffer: one unit again, until copied out
-    if stage <= 1:  # DDP's gradient buckets live all the time; nothing is gathered
+    biggest = max(blocks, default=0)
+    if stage <= 1:  # nothing gathered; DDP's gradient buckets live all the time
         peak = sum(kept) + activations
-    elif stage == 2:  # the end of forward: every unit whole, no gradient yet (zero_grad)
-        peak = kept[0] + kept[2] + p * psi + buffer + activations
-    else:  # an upper bound, in backward: the root whole, the running block and the one
-        two = sorted(blocks, reverse=True)[:2]  # gathered ahead, all gradients and activations
-        peak = sum(kept) + p * (root + sum(two)) + buffer + activations
+    else:  # the gradients were set to None (zero_grad), none of them is back yet
+        # whole: every unit (stage 2), or the root, the last block and the one gathered
+        # ahead of it (stage 3); and the first gradients, whole until reduce-scattered:
+        # the root's (the output layer's come first) and the last block's
+        whole = psi if stage == 2 else root + sum(sorted(blocks, reverse=True)[:2])
+        peak = kept[0] + kept[2] + p * whole + g * (root + biggest) + activations
     # 4. the messages of a step: bytes this rank hands to each kind of collective
     messages = {"all_reduce": float(g * psi)} if stage <= 1 else {}
     if stage == 1:  # ZeroRedundancyOptimizer: each owner broadcasts its updated parameters

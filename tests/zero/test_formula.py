@@ -32,14 +32,18 @@ def test_the_float32_table_by_hand():
 
 
 def test_the_peak_terms_by_hand():
-    # units: two blocks of 400 and 300 parameters, the root's own 300; activations 5000 bytes
-    units, a = [400, 300, 300], 5000
-    assert predict(1000, 4, 0, units=units, activations=a).peak == 16000 + a
+    # Ψ = 1000 on N = 4; units: three blocks of 400, 300, 200 parameters, the root's own
+    # 100; activations 5000 bytes. The peak: at the start of backward
+    units, a = [400, 300, 200, 100], 5000
+    assert predict(1000, 4, 0, units=units, activations=a).peak == 16000 + a  # states
     assert predict(1000, 4, 1, units=units, activations=a).peak == 10000 + a
-    # stage 2, end of forward: shard 1000 + optim 2000 + all whole 4000 + one buffer 1600
-    assert predict(1000, 4, 2, units=units, activations=a).peak == 1000 + 2000 + 4000 + 1600 + a
-    # stage 3: states 4000 + the root 1200 and two blocks 2800 whole + one buffer 1600
-    assert predict(1000, 4, 3, units=units, activations=a).peak == 4000 + 4000 + 1600 + a
+    # stage 2: shard 1000 + optim 2000, every parameter whole 4000, the root's and the
+    # biggest block's gradients whole 4 x (100 + 400)
+    assert predict(1000, 4, 2, units=units, activations=a).peak == 3000 + 4000 + 2000 + a
+    # stage 3: the root and the two biggest blocks whole, 4 x (100 + 400 + 300)
+    assert predict(1000, 4, 3, units=units, activations=a).peak == 3000 + 3200 + 2000 + a
+    # no units given: one unit (the root) of Ψ; gathered whole as at stage 2
+    assert predict(1000, 4, 3).peak == predict(1000, 4, 2).peak == 3000 + 4000 + 4000
 
 
 def test_the_messages_of_a_step():

@@ -58,7 +58,7 @@ def test_the_messages_of_a_step(rows, world):
     model = MODEL()
     tensors, units = len(list(model.parameters())), len(model.model.layers) + 1
     count = {  # kind -> how many per step on a rank
-        0: {"all_reduce": 1},  # DDP: one bucket (the model is under 25 MiB)
+        0: {"all_reduce": 1},  # one DDP bucket: its first holds up to 1 MiB, Ψ is 0.7 MB
         1: {"all_reduce": 1, "broadcast": tensors},  # each owner sends its tensors
         2: {"all_gather": units, "reduce_scatter": units},  # gathered once, forward
         3: {"all_gather": 2 * units, "reduce_scatter": units},  # forward and backward
