@@ -6,12 +6,15 @@ gradients and optimizer state, and what it sends.
 * :func:`measure`: the stage built from torch's own pieces (DDP,
   ``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard``), trained on the ranks, its memory
   counted and its messages traced (:mod:`.stages`);
-* :func:`compare` and :func:`table`: both, stage by stage (:mod:`.report`).
+* :func:`compare` and :func:`table`: both, stage by stage (:mod:`.report`);
+* :func:`plot` and :func:`explorer`: the bars, predicted and measured (:mod:`.explore`).
 """
 
+from shardlab.zero.explore import ZeroExplorer, explorer, llama_sizes, plot
 from shardlab.zero.formula import ADAM_FP32, ADAM_MIXED, Prediction, predict
 from shardlab.zero.report import Row, compare, table
 from shardlab.zero.stages import Measured, activation_bytes, blocks, llama, measure, tokens
 
 __all__ = ["ADAM_FP32", "ADAM_MIXED", "Measured", "Prediction", "Row", "activation_bytes"]
-__all__ += ["blocks", "compare", "llama", "measure", "predict", "table", "tokens"]
+__all__ += ["ZeroExplorer", "blocks", "compare", "explorer", "llama", "llama_sizes", "measure"]
+__all__ += ["plot", "predict", "table", "tokens"]
