@@ -112,7 +112,9 @@ def predict(
     units = [psi] if units is None else [_check("units[i]", u, 0) for u in units]
     if sum(units) != psi:
         raise ValueError(f"units must add up to params={psi}, got {sum(units)}")
-    p, g, k = param_bytes, grad_bytes, optim_bytes
+    p = _check("param_bytes", param_bytes, 0)  # bytes per parameter,
+    g = _check("grad_bytes", grad_bytes, 0)  # per gradient,
+    k = _check("optim_bytes", optim_bytes, 0)  # of optimizer state per parameter (K)
     # 1. the paper's table: each stage cuts one more state over the N ranks
     paper = (
         p * psi / n if stage >= 3 else p * psi,

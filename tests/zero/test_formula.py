@@ -62,6 +62,7 @@ def test_the_messages_of_a_step():
         ((1000, 0, 1), {}, "ranks"),
         ((1000, 4, 5), {}, "stage"),
         ((1000, 4, 3), {"units": [500, 400]}, "units"),
+        ((1000, 4, 3), {"optim_bytes": 1.5}, "optim_bytes"),
     ],
 )
 def test_errors_name_the_argument(args, kwargs, word):
