@@ -2,12 +2,12 @@
 gradients and optimizer state, and what it sends.
 
 * :func:`predict`: the ZeRO paper's table (Ψ parameters, K bytes of optimizer state per
-  parameter, N ranks), the peak of a step and its messages (:mod:`.formula`);
+  parameter, N ranks), the peak of a step and its messages;
 * :func:`measure`: the stage built from torch's own pieces (DDP,
   ``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard``), trained on the ranks, its memory
-  counted and its messages traced (:mod:`.stages`);
-* :func:`compare` and :func:`table`: both, stage by stage (:mod:`.report`);
-* :func:`plot` and :func:`explorer`: the bars, predicted and measured (:mod:`.explore`).
+  counted and its messages traced;
+* :func:`compare` and :func:`table`: both, stage by stage;
+* :func:`plot` and :func:`explorer`: the bars, predicted and measured.
 """
 
 from shardlab.zero.explore import ZeroExplorer, explorer, llama_sizes, plot

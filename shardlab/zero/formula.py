@@ -50,7 +50,7 @@ class Prediction:
     """Bytes per rank of ZeRO ``stage`` on ``ranks`` ranks (:func:`predict`).
 
     ``params``, ``grads``, ``optim``: what a rank keeps between steps, as torch's build of
-    the stage does (:mod:`shardlab.zero.stages`); ``paper``: the same three as the ZeRO
+    the stage does (:func:`measure`); ``paper``: the same three as the ZeRO
     paper's table counts them (stage 2: parameters whole); ``peak``: the most live bytes
     during a step (model states, gathered parameters, activations); ``messages``: the
     bytes the rank hands to each kind of collective in a step (``{"all_gather": ...}``,
