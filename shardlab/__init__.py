@@ -34,6 +34,7 @@ __all__ = [
     "scatter_tensor",
     "this_rank",
     "trace",
+    "zero",
     "__version__",
 ]
 
@@ -53,6 +54,7 @@ _LAZY = {
     "GatherWarning": "shardlab.comm.gathers",
     "GatherError": "shardlab.comm.gathers",
     "ExpertParallel": "shardlab.experts",
+    "zero": "shardlab.zero",
 }
 
 

@@ -45,6 +45,7 @@ PUBLIC_MODULES = [
     "shardlab.ops.conv",
     "shardlab.ops.cross_entropy",
     "shardlab.ops.neighborhood",
+    "shardlab.zero",
 ]
 
 

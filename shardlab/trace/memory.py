@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["LiveBytes", "LiveCount"]
 
 _ALIASES: dict = {}  # OpOverload -> whether an output may share an input's storage
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types whose storage an op may alias
 
 
 def _may_alias(func) -> bool:
@@ -50,10 +51,10 @@ class LiveCount:
                 continue
             if _may_alias(func):  # a view of, or written into, a tensor made before
                 if known is None:
-                    known = {
+                    known = {  # a parameter's view (``w.t()`` in a linear) is no new storage
                         id(a.untyped_storage())
                         for a in tree_leaves((args, kwargs))
-                        if type(a) is torch.Tensor
+                        if type(a) in _PLAIN
                     }
                 if key in known:
                     continue
