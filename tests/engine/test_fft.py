@@ -201,3 +201,54 @@ def test_a_signal_cut_along_its_only_dim_says_it_gathers(ranks_for):
 
     for exact, said in ranks_for(2).run(body):
         assert exact and said == 1
+
+
+def _roll_body(seed):
+    import random
+
+    from torch.distributed.tensor import Shard
+
+    import shardlab
+    from tests.tensor._cases import sizes_for
+
+    mesh = shardlab.this_rank().mesh
+    meshes = [mesh] + ([shardlab.this_rank().mesh_for((2, 2))] if mesh.size() == 4 else [])
+    rng, bad, labels = random.Random(seed), [], set()
+    for case in range(12):
+        m = meshes[case % len(meshes)]
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
+        places = [Shard(rng.randrange(len(shape))) for _ in range(m.ndim)]
+        sizes = sizes_for(rng, shape, tuple(m.shape), places)
+        g = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(case))
+        dims = [rng.randrange(len(shape)) for _ in range(rng.randint(1, 2))]
+        shifts = [rng.randint(-7, 7) for _ in dims]
+        fns = {
+            "roll": lambda t, s=shifts, d=dims: torch.roll(t, s, d),
+            "fftshift": lambda t: torch.fft.fftshift(t),
+            "ifftshift": lambda t, d=dims: torch.fft.ifftshift(t, dim=d[0]),
+        }
+        w = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        for name, fn in fns.items():
+            x = shardlab.distribute(g, m, places, sizes).requires_grad_(True)
+            ref = g.clone().requires_grad_(True)
+            with shardlab.gathers("raise"), shardlab.trace() as t:
+                y = fn(x)
+                (y * w).sum().backward()
+            (fn(ref) * w).sum().backward()
+            labels |= {e.label for e in t.events}
+            if not (
+                torch.equal(y.full_tensor(), fn(g))
+                and torch.allclose(x.grad.full_tensor(), ref.grad)
+            ):
+                bad.append((name, shape, places, sizes, dims, shifts))
+    return bad, labels
+
+
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.more_worlds)])
+def test_roll_and_fftshift_along_cut_dims_shift_rows_to_their_new_owners(ranks_for, world):
+    """``roll`` (``fftshift``'s op) along a cut dim: two slices put back in the other
+    order, each row sent to its new owner once (``cat.align``), no whole-tensor gather;
+    forward and backward equal one device, 1-D and 2-D meshes, uneven and empty pieces."""
+    for bad, labels in ranks_for(world).run(_roll_body, world):
+        assert not bad, bad[:3]
+        assert labels <= {"cat.align"}, labels

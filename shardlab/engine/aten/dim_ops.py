@@ -64,6 +64,23 @@ _SPEC = {
 }
 
 
+def _roll(x, shifts, dims):
+    """``roll`` along cut dims: the two slices put back in the other order (``cat``), so
+    each row goes to its new owner once, point to point (a shift by s sends about s rows
+    across each boundary); along whole dims each block rolls (a plan, no message)."""
+    y = x
+    for s, d in zip(shifts, dims, strict=True):
+        n = y.shape[d]
+        s = s % n if n else 0
+        if s == 0:
+            continue
+        if _cutting(y._layout, [d]):
+            y = torch.cat([y.narrow(d, n - s, s), y.narrow(d, 0, n - s)], d)
+        else:
+            y = aten.roll.default(y, [s], [d])
+    return aten.clone.default(y) if y is x else y
+
+
 def _cutting(layout, dims) -> list[int]:
     return [m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim in dims]
 
@@ -114,6 +131,11 @@ def _along_dims(func, args, kwargs):
         if func is aten.cumsum.default and _scan_ok(lay, x.device_mesh, dims[0]):
             x = c.reduced(x, f"{name}.partial")
             return _cumsum(x, dims[0], kwargs.get("dtype", _at(args, kwargs, 2, "dtype")))
+        if func is aten.roll.default and _at(args, kwargs, 2, "dims", []):
+            shifts = list(_at(args, kwargs, 1, "shifts", []))
+            along = [d % x.ndim for d in _at(args, kwargs, 2, "dims", [])]  # (in order)
+            if len(shifts) == len(along):
+                return _roll(c.reduced(x, f"{name}.partial"), shifts, along)
     meta = meta_call(func, args, kwargs)
     metas = meta if isinstance(meta, tuple) else (meta,)
     if not all(isinstance(m, torch.Tensor) for m in metas):
