@@ -70,3 +70,16 @@ def where(device: str) -> str:
     if device == "cuda":
         return f"on one {torch.cuda.get_device_name(0)}"
     return f"on {os.cpu_count()} CPU cores"
+
+
+def tutorial_unet_source() -> str:
+    """Tutorial 09's ``block`` and ``UNet`` as the notebook defines them (source text, to
+    ``exec`` where ``nn``, ``F`` and ``torch`` are defined: a benchmark measures the
+    tutorial's own model, not a copy)."""
+    import ast
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "tutorials" / "09_capstone_unet.py"
+    tree = ast.parse(path.read_text())
+    keep = [n for n in tree.body if getattr(n, "name", None) in ("block", "UNet")]
+    return ast.unparse(ast.Module(body=keep, type_ignores=[]))

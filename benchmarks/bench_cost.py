@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 
+from _common import tutorial_unet_source
 
-def _unet_step():
+
+def _unet_step(source):
     """Tutorial 09's model and one training step (a closure over this rank's state)."""
     import torch
     import torch.nn as nn
@@ -41,28 +43,9 @@ def _unet_step():
     import shardlab
     from shardlab.layout import chunk_sizes
 
-    def block(cin, cout):
-        return nn.Sequential(
-            nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-            nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-        )  # fmt: skip
-
-    class UNet(nn.Module):
-        def __init__(self, width=8, classes=3):
-            super().__init__()
-            self.enc1, self.enc2 = block(1, width), block(width, 2 * width)
-            self.bottom = block(2 * width, 2 * width)
-            self.up = nn.ConvTranspose2d(2 * width, 2 * width, 2, stride=2)
-            self.dec2, self.dec1 = block(4 * width, width), block(2 * width, width)
-            self.head = nn.Conv2d(width, classes, 1)
-
-        def forward(self, x):
-            x1 = self.enc1(x)
-            x2 = self.enc2(F.max_pool2d(x1, 2))
-            x3 = self.bottom(F.max_pool2d(x2, 2))
-            y2 = self.dec2(torch.cat([x2, self.up(x3)], 1))
-            y1 = F.interpolate(y2, scale_factor=2, mode="bilinear", align_corners=False)
-            return self.head(self.dec1(torch.cat([x1, y1], 1)))
+    namespace = {"nn": nn, "F": F, "torch": torch}
+    exec(source, namespace)  # tutorial 09's block and UNet
+    UNet = namespace["UNet"]  # noqa: N806
 
     me = shardlab.this_rank()
     torch.manual_seed(0)
@@ -119,10 +102,11 @@ def _decoder_step():
     return step
 
 
-def _setup(which):
+def _setup(which, source):
     import shardlab
 
-    shardlab.this_rank().ns["step"] = {"unet": _unet_step, "decoder": _decoder_step}[which]()
+    step = _unet_step(source) if which == "unet" else _decoder_step()
+    shardlab.this_rank().ns["step"] = step
 
 
 def _one_step():
@@ -135,7 +119,7 @@ def measure(ranks, which, steps):
     """``steps`` traces of one step each, after two warm-up steps."""
     import shardlab
 
-    ranks.run(_setup, which)
+    ranks.run(_setup, which, tutorial_unet_source())
     for _ in range(2):
         ranks.run(_one_step)
     traces = []
