@@ -165,6 +165,7 @@ class ZeroExplorer:
         self.update()
 
     def update(self) -> None:
+        """Draw the bars again for the controls' values (the measured ones where run)."""
         layers, hidden, vocab, n = self._key()
         psi, units = llama_sizes(layers, hidden, vocab)
         stages = sorted(self.controls["stages"].value)

@@ -41,8 +41,17 @@ from dataclasses import dataclass
 
 __all__ = ["ADAM_FP32", "ADAM_MIXED", "Prediction", "predict"]
 
-ADAM_FP32 = dict(param_bytes=4, grad_bytes=4, optim_bytes=8)  # 16 Ψ bytes at stage 0
-ADAM_MIXED = dict(param_bytes=2, grad_bytes=2, optim_bytes=12)  # the paper's: 16 Ψ too
+
+class _Bytes(dict):
+    """Bytes per parameter of a training setup, as :func:`predict` takes them
+    (``predict(params, ranks, stage, **ADAM_FP32)``): ``ADAM_FP32`` is Adam in float32
+    (4 per parameter, 4 per gradient, 8 of optimizer state: 16 per parameter at stage 0);
+    ``ADAM_MIXED`` the ZeRO paper's mixed precision (2, 2 and 12: a float32 master copy,
+    momentum and variance; 16 too)."""
+
+
+ADAM_FP32 = _Bytes(param_bytes=4, grad_bytes=4, optim_bytes=8)
+ADAM_MIXED = _Bytes(param_bytes=2, grad_bytes=2, optim_bytes=12)
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,12 @@ class Row:
 
     @property
     def stage(self) -> int:
+        """The ZeRO stage (0-3) of this row."""
         return self.predicted.stage
 
     @property
     def ranks(self) -> int:
+        """How many ranks the stage ran on."""
         return self.predicted.ranks
 
     def worst(self, name: str) -> int:
