@@ -48,10 +48,14 @@ class _HalfSpectrum(torch.autograd.Function):
         last = ctx.dims[-1] % grad.ndim
         missing = ctx.length - grad.shape[last]
         if missing > 0:  # 1. zeros for the half the forward left out
-            pad = [0, 0] * (grad.ndim - 1 - last) + [0, missing]
-            grad = aten.constant_pad_nd(grad, pad)
+            grad = _zeros_after(grad, last, missing)
         full = aten._fft_c2c(grad, ctx.dims, ctx.mode, False)  # 2. inverse transform
         return torch.real(full), None, None  # 3.
+
+
+def _zeros_after(x, d, k):
+    """``x`` with ``k`` zeros appended along dim ``d`` (each block pads its own part)."""
+    return aten.constant_pad_nd(x, [0, 0] * (x.ndim - 1 - d) + [0, k])
 
 
 def _resized(x, dims, sizes):
@@ -64,7 +68,7 @@ def _resized(x, dims, sizes):
         if n < x.shape[d]:
             x = x.narrow(d, 0, n)
         else:
-            x = aten.constant_pad_nd(x, [0, 0] * (x.ndim - 1 - d) + [0, n - x.shape[d]])
+            x = _zeros_after(x, d, n - x.shape[d])
     return x
 
 

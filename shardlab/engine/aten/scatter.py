@@ -154,6 +154,20 @@ def _checked(func, index, size, dim):
     return index % max(size, 1)
 
 
+def _in_block(index, lo, n, elsewhere):
+    """(which entries of ``index`` fall in this rank's rows ``[lo, lo + n)``, the index
+    moved into the block's rows, ``elsewhere`` for the others)."""
+    inside = (index >= lo) & (index < lo + n)
+    return inside, torch.where(inside, index - lo, elsewhere)
+
+
+def _with_spare_row(x, dim):
+    """``x`` with one row of zeros past its end along ``dim`` (the spare row)."""
+    spare = list(x.shape)
+    spare[dim] = 1
+    return torch.cat([x, x.new_zeros(spare)], dim)
+
+
 class _OwnRows:
     """Steps 1-3 of a scatter / index write on this rank's rows (+ one spare row)."""
 
@@ -166,11 +180,8 @@ class _OwnRows:
     def __call__(self, args, kwargs):
         x, index = args[0], args[2]
         index = _checked(self.func, index, self.size, self.dim)
-        inside = (index >= self.lo) & (index < self.lo + self.n)
-        local = torch.where(inside, index - self.lo, self.n)  # 1. (self.n: the spare row)
-        spare = list(x.shape)
-        spare[self.dim] = 1
-        grown = torch.cat([x, x.new_zeros(spare)], self.dim)
+        _, local = _in_block(index, self.lo, self.n, self.n)  # 1. (self.n: the spare row)
+        grown = _with_spare_row(x, self.dim)
         if self.inplace:
             self.func(grown, self.dim, local, *args[3:], **kwargs)  # 2.
             return x.copy_(grown.narrow(self.dim, 0, self.n))  # 3.
@@ -251,10 +262,9 @@ class _OwnPicks:
     def __call__(self, args, kwargs):
         x, index = args[0], args[2]
         index = _checked(self.func, index, self.size, self.dim)
-        inside = (index >= self.lo) & (index < self.lo + self.n)
         if self.n == 0:  # nothing owned: all zeros
             return x.new_zeros(self.shape)
-        local = torch.where(inside, index - self.lo, 0)  # 1.
+        inside, local = _in_block(index, self.lo, self.n, 0)  # 1.
         out = self.func(x, self.dim, local, *args[3:], **kwargs)  # 2.
         if self.func.overloadpacket is aten.index_select:
             view = [1] * out.ndim
@@ -367,8 +377,7 @@ class _OwnIndex:
         index = _checked(aten.index_select.default, index, self.size, self.dim)
         if self.n == 0:
             return x.new_zeros(self.shape)
-        inside = (index >= self.lo) & (index < self.lo + self.n)
-        local = torch.where(inside, index - self.lo, 0)  # 1.
+        inside, local = _in_block(index, self.lo, self.n, 0)  # 1.
         out = x[(slice(None),) * self.dim + (local,)]  # 2.
         view = [1] * self.dim + list(index.shape) + [1] * (out.ndim - self.dim - index.ndim)
         return torch.where(inside.reshape(view), out, torch.zeros((), dtype=out.dtype))  # 3.
@@ -382,11 +391,8 @@ class _OwnPuts(_OwnRows):
     def __call__(self, args, kwargs):
         x, indices = args[0], [None if i is None else c.local(i) for i in args[1]]
         index = _checked(aten.index_select.default, indices[self.dim], self.size, self.dim)
-        inside = (index >= self.lo) & (index < self.lo + self.n)
-        indices[self.dim] = torch.where(inside, index - self.lo, self.n)  # 1.
-        spare = list(x.shape)
-        spare[self.dim] = 1
-        grown = torch.cat([x, x.new_zeros(spare)], self.dim)
+        _, indices[self.dim] = _in_block(index, self.lo, self.n, self.n)  # 1.
+        grown = _with_spare_row(x, self.dim)
         out = aten.index_put(grown, indices, *args[2:], **kwargs)  # 2.
         if self.inplace:
             return x.copy_(out.narrow(self.dim, 0, self.n))  # 3.

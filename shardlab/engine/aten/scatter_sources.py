@@ -56,7 +56,7 @@ def from_cut_sources(func, args, kwargs):
         entries, along = (args[2], args[3]), (dim % max(x.ndim, 1),) * 2
     else:
         return NotImplemented
-    if "out" in kwargs or not _whole(x) or not all(isinstance(e, c.ShardTensor) for e in entries):
+    if "out" in kwargs or not _not_cut(x) or not all(isinstance(e, c.ShardTensor) for e in entries):
         return NotImplemented
     mesh = entries[0].device_mesh
     cut = _entry_cut(entries, along)
@@ -74,7 +74,8 @@ def from_cut_sources(func, args, kwargs):
     return Plan(mesh, out, moves, f"{c.op_name(func)}.partial", local)
 
 
-def _whole(t) -> bool:
+def _not_cut(t) -> bool:
+    """A plain tensor, or a ShardTensor no mesh dim cuts (Replicate or Partial)."""
     if not isinstance(t, c.ShardTensor):
         return isinstance(t, torch.Tensor)
     return all(not isinstance(p, Shard) for p in t._layout.placements)
@@ -143,7 +144,7 @@ def by_cut_index(func, args, kwargs):
         return NotImplemented
     if not all(isinstance(p, Shard) or isinstance(p, Replicate) for p in lay.placements):
         return NotImplemented
-    if not _whole(x) or (
+    if not _not_cut(x) or (
         isinstance(x, c.ShardTensor) and x._layout != c.without_partial(x._layout)
     ):
         return NotImplemented
