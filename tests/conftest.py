@@ -60,13 +60,21 @@ def pytest_configure(config):
         "slow: compiles whole models, sweeps the op database through the compiler, or "
         "executes the tutorials (the docs build, the 3-rank reruns, the browser): the "
         "README's command leaves them out (-m 'not slow and not more_worlds', under 12 "
-        "minutes on 2 cores); CI runs them after it, on torch 2.13, and on 2.11 and 2.15 "
-        "without the notebooks",
+        "minutes on 2 cores); CI runs them after it, on torch 2.13; on 2.11 and 2.15 only "
+        "those also marked every_torch",
+    )
+    config.addinivalue_line(
+        "markers",
+        "every_torch: a slow test CI also runs on torch 2.11 and 2.15 (-m 'not more_worlds "
+        "and (not slow or every_torch)'): one whole compiled train step, a compiled decoder "
+        "given a new length, the op database compiled (a quarter of the ops), compiled "
+        "autograd's refusal. The rest of the slow tier (the zoo compiled with inductor: "
+        "minutes on a cold inductor cache) runs on 2.13 only, to keep CI under 30 minutes",
     )
     config.addinivalue_line(
         "markers",
         "more_worlds: a sweep's extra world sizes and mesh shapes (the README's command "
         "leaves them out; CI runs them after it on torch 2.13, and skips them on 2.11 and "
-        "2.15 with -m 'not more_worlds'; every sweep still runs on each version at its "
+        "2.15; every sweep still runs on each version at its "
         "other sizes: the op database on 3 ranks, dims 0 and -1)",
     )

@@ -422,6 +422,7 @@ def test_an_input_distributed_once_trains_two_steps(ranks_for, world):
 
 
 @pytest.mark.slow
+@pytest.mark.every_torch
 def test_compiled_autograd_says_it_cannot_trace_a_sharded_backward(ranks_for):
     """Compiled autograd around the backward of a compiled, sharded ``transformers`` Llama:
     shardlab's error on every rank (it failed with a ``TypeError`` on a symbolic size deep

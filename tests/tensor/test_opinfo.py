@@ -314,7 +314,8 @@ def test_op_db_on_a_2d_mesh(ranks_for, dim, two_d):
 
 @pytest.mark.parametrize(
     ("dim", "backend", "ops", "in_graphs"),
-    [(0, "aot_eager", slice(0, None, 4), False), (-1, "aot_eager", slice(2, None, 4), False),
+    [pytest.param(0, "aot_eager", slice(0, None, 4), False, marks=pytest.mark.every_torch),
+     (-1, "aot_eager", slice(2, None, 4), False),
      (0, "inductor", slice(1, None, 12), False), (0, "aot_eager", slice(3, None, 8), True),
      (-1, "aot_eager", slice(5, None, 8), True)],
 )  # fmt: skip

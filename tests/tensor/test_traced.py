@@ -161,6 +161,7 @@ def test_plain_tensors_of_new_sizes_recompile_exactly(ranks_for, world):
 
 
 @pytest.mark.slow
+@pytest.mark.every_torch
 def test_a_compiled_decoder_takes_a_new_sequence_length(ranks_for):
     """The zoo's Llama compiled, then given a longer sequence (13 then 17 tokens, cut
     unevenly over 2 ranks): the step equals the eager sharded step for both lengths
@@ -241,6 +242,7 @@ def test_a_tensor_parallel_module_compiles_exactly(ranks_for, world):
 
 
 @pytest.mark.slow
+@pytest.mark.every_torch
 def test_a_whole_compiled_train_step_equals_torchs(ranks_for):
     """A whole training step compiled as one function (the zoo's Llama forward, its loss's
     backward, an AdamW step), on ids cut unevenly over 2 ranks: the parameters after each
