@@ -46,8 +46,8 @@ def plot(actions, *, title: str | None = None, ax=None, stages: int | None = Non
     ax.set_yticks([len(ranks) - 0.5 - i for i in range(len(ranks))], [f"rank {r}" for r in ranks])
     ax.set_xlabel("ms")
     kinds = [k for k in KINDS if any(a.kind == k for a in actions)]
-    ax.legend(handles=[Patch(facecolor=COLOURS[k], edgecolor="k", label=f"{k}: {KINDS[k]}")
-                       for k in kinds], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # fmt: skip
+    handles = [Patch(facecolor=COLOURS[k], edgecolor="k", label=f"{k}: {KINDS[k]}") for k in kinds]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     m = len({a.microbatch for a in actions})
     p = stages or len(ranks)
     text = f"bubble {bubble(actions):.0%} measured; (p-1)/(m+p-1) = {formula(p, m):.0%}"
@@ -74,10 +74,12 @@ class PipelineExplorer:
         self.results: dict = {}
         self.bubbles: dict = {}
         self.controls = {
-            "schedule": w.Dropdown(options=list(schedules), value=schedule,
-                                   description="schedule"),  # fmt: skip
-            "microbatches": w.IntSlider(value=microbatches, min=4, max=16,
-                                        description="micro-batches"),  # fmt: skip
+            "schedule": w.Dropdown(
+                options=list(schedules), value=schedule, description="schedule"
+            ),  # fmt: skip
+            "microbatches": w.IntSlider(
+                value=microbatches, min=4, max=16, description="micro-batches"
+            ),  # fmt: skip
         }
         self.status = w.HTML()
         self.image = w.Image(format="png")

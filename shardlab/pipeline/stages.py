@@ -121,8 +121,9 @@ def step(model, ids, labels, *, schedule: str = "1F1B", microbatches: int = 8,
     :data:`SCHEDULES`). Each rank holds its stages (:func:`stage_indices`), runs the
     schedule with its actions recorded (:func:`~shardlab.pipeline.record`) and its
     messages traced, and leaves the gradients of its stages' parameters in ``model``
-    (scaled by ``1 / microbatches``; the loss :func:`lm_loss`, the mean of the micro-batches'
-    mean losses: one device's gradient for micro-batches with as many labelled tokens). Call on every rank of ``group``.
+    (scaled by ``1 / microbatches``; the loss :func:`lm_loss`, the mean of the
+    micro-batches' mean losses: one device's gradient for micro-batches with as many
+    labelled tokens). Call on every rank of ``group``.
 
     Communicates:
         The schedule's point-to-point messages: each micro-batch's hidden states
