@@ -89,10 +89,27 @@ class PipelineExplorer:
         self.figure = None
         self.update()
 
-    def _ipython_display_(self):
-        from IPython.display import display
+    def _repr_mimebundle_(self, **kwargs):
+        """The live widget, and a static snapshot (``text/html``: the choice, the figure
+        and the bubble) for pages without a kernel (the docs)."""
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        if isinstance(bundle, tuple):  # (data, metadata)
+            bundle = bundle[0]
+        return {**bundle, "text/html": self.snapshot_html()}
 
-        display(self.widget)
+    def snapshot_html(self) -> str:
+        """The explorer's state as HTML: the controls' values, the status, the figure."""
+        import base64
+        import html
+
+        values = ", ".join(
+            f"{name} <code>{html.escape(str(c.value))}</code>" for name, c in self.controls.items()
+        )
+        png = base64.b64encode(self.image.value).decode()
+        return (
+            f"<div class='shardlab-explorer'><p class='shardlab-explorer-values'>{values}</p>"
+            f"{self.status.value}<img src='data:image/png;base64,{png}' alt=''></div>"
+        )
 
     def update(self):
         """Run (once per choice) and draw the controls' schedule and micro-batches."""

@@ -94,3 +94,5 @@ def test_explorer_runs_each_choice_once():
     ex.controls["microbatches"].value = 8  # cached: not run again
     assert calls == [("GPipe", 8), ("GPipe", 12)]
     assert ex.bubbles[("GPipe", 12)] == pytest.approx(3 / 15)
+    html = ex._repr_mimebundle_()["text/html"]
+    assert "shardlab-explorer" in html and "data:image/png;base64," in html
