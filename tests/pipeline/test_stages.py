@@ -70,7 +70,7 @@ def test_step_is_one_device_and_records_every_action_once(ranks_for, schedule, k
     want_keys = {(r, s, i, k) for r, s in stages for i in range(m) for k in kinds}
     assert set(keys) == want_keys
     events = [e for out, *_ in res for e in out.events]
-    assert {e.kind for e in events} == {"send", "recv"}
+    assert {"send", "recv"} <= {e.kind for e in events}  # (2.15 adds an all-reduce)
     ideal = replay(actions, events)
     fig = plot(ideal, title=schedule)
     assert len(fig.shardlab_boxes) == len(actions)
