@@ -76,7 +76,7 @@ def test_every_tutorial_is_a_page_with_its_figures_and_a_binder_button(docs_site
 
 
 def test_the_explorers_show_their_initial_state(docs_site):
-    for stem in ("04_uneven_shards", "06_halo_convolution"):
+    for stem in ("04_uneven_shards", "06_halo_convolution", "13_pipeline_parallel"):
         text = (docs_site / "tutorials" / f"{stem}.html").read_text(encoding="utf-8")
         assert "shardlab-explorer" in text and "data:image/png;base64," in text, stem
         assert "application/vnd.jupyter.widget-view+json" not in text, stem  # the snapshot

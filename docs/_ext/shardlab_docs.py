@@ -46,6 +46,7 @@ PUBLIC_MODULES = [
     "shardlab.ops.cross_entropy",
     "shardlab.ops.neighborhood",
     "shardlab.zero",
+    "shardlab.pipeline",
 ]
 
 

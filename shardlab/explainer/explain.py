@@ -114,6 +114,7 @@ class Explainer:
         self.owned: list = []  # (node, module or None: no module) not hooked yet
         self.node_hooks: dict = {}  # module (or None) -> its autograd-node pre-hook
         self.back_owner: str | None = None
+        self.in_backward = False
         self.back_since = 0.0
         memory = self.device.type == "cuda" if self.memory is None else self.memory
         self._mem = _Memory(self.device) if memory else None
@@ -225,6 +226,9 @@ class Explainer:
         name = "" if module is None else self.names[module]
 
         def hook(grad_outputs):
+            if not self.in_backward:  # the pass's first node: see where it ends
+                self.in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             if name == self.back_owner:
                 return
             now = time.perf_counter()
@@ -237,6 +241,16 @@ class Explainer:
             self.back_owner, self.back_since = name, now
 
         return hook
+
+    def _backward_ended(self) -> None:
+        """A backward pass ended: what follows belongs to no module until the next call or
+        pass (a pipeline schedule's sends and receives between its stage's backwards)."""
+        self.in_backward = False
+        if self.back_owner:
+            prev = self.records[(self.back_owner, "backward")]
+            prev.seconds += time.perf_counter() - self.back_since
+        self.marks.append((len(self.t.events), "back:"))
+        self.back_owner = None
 
     # -- leaving: attribute the events, gather the ranks --------------------------
     def __exit__(self, *exc):
