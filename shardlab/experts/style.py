@@ -56,11 +56,12 @@ class ExpertParallel(ParallelStyle):
     experts' mesh is one dim (``mesh["ep"]`` of ``("ep", "sp")``: each rank its own
     sequences along ``ep``, its own positions along ``sp``): then the all-to-alls run over
     ``ep`` only, and every weight's gradient, the experts' too, is also summed over the
-    other dims (the experts' at once, ``experts.weights backward``). Either way the result equals one device running the block
-    on all the ranks' tokens together: forward, the input's gradient, each rank's experts'
-    gradients (their slice of one device's) and the router's (summed over the ranks, equal
-    on every rank, with the other replicated gradients in one all-reduce at the end of the
-    backward). Do not wrap the block in DDP over the same ranks: its experts differ.
+    other dims (the experts' at once, ``experts.weights backward``). Either way the result
+    equals one device running the block on all the ranks' tokens together: forward, the
+    input's gradient, each rank's experts' gradients (their slice of one device's) and the
+    router's (summed over the ranks, equal on every rank, with the other replicated
+    gradients in one all-reduce at the end of the backward). Do not wrap the block in DDP
+    over the same ranks: its experts differ.
 
     Messages per call, on the mesh's group (``shardlab.trace`` labels): forward one
     ``all_to_all`` of E int64 counts (``experts.counts``), the token rows out
