@@ -261,3 +261,42 @@ def test_on_a_2d_mesh_experts_over_one_dim_the_sequence_cut_over_the_other(ranks
                  "experts.combine backward", "experts.dispatch backward"], "ep"),
             "experts.weights backward": "sp",
         }, axes  # fmt: skip
+
+
+def test_explain_puts_each_layers_all_to_alls_on_its_experts_module(ranks_for):
+    """``shardlab.explain`` on an expert-parallel Mixtral: each MoE layer's ``experts``
+    module has its three forward all-to-alls (counts, dispatch, combine) and its two
+    backward ones; no other module has an all-to-all; the gradients' all-reduce has its
+    own row."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        import shardlab
+        from shardlab import ExpertParallel
+
+        me = shardlab.this_rank()
+        ids = torch.randint(0, _moe.VOCAB, (5, 4), generator=torch.Generator().manual_seed(3))
+        model = _moe.model("mixtral")
+        parallelize_module(model, me.mesh, dict.fromkeys(PLAN, ExpertParallel()))
+        with shardlab.patched():
+            mine = shardlab.distribute(ids, me.mesh, [Shard(0)], [BATCH[2]])
+            ex = shardlab.explain(model, input_ids=mine, labels=mine)
+        return [
+            (r.name, r.phase, [(e[0], e[4]) for e in r.events if e[0] != "all_reduce"])
+            for r in ex.rows(me.rank)
+            if r.events
+        ], [r.name for r in ex.rows(me.rank) if any(e[0] == "all_reduce" for e in r.events)]
+
+    fwd = [("all_to_all", f"experts.{n} forward") for n in ("counts", "dispatch", "combine")]
+    bwd = [("all_to_all", f"experts.{n} backward") for n in ("combine", "dispatch")]
+    for rows, reduces in ranks_for(2).run(body):
+        moe = [r for r in rows if r[2]]
+        assert moe == [
+            ("model.layers.0.mlp.experts", "forward", fwd),
+            ("model.layers.1.mlp.experts", "forward", fwd),
+            ("model.layers.1.mlp.experts", "backward", bwd),
+            ("model.layers.0.mlp.experts", "backward", bwd),
+        ], rows
+        assert reduces[-1] == "(parameters' gradients)", reduces
