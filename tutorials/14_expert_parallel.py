@@ -140,10 +140,10 @@ viz.plot_routing(chosen, E, sizes=TOKENS)
 
 # %%
 load = viz.expert_load(chosen, E, TOKENS)  # load[r][e]: rank r's pairs for expert e
-fig = viz.plot_expert_load(load)
-even = sum(TOKENS) * K // WORLD
-print("pairs each rank's experts compute:", fig.shardlab_received, "| even share:", even)
-_ = fig
+per = E // WORLD  # experts per rank
+received = [sum(sum(row[s * per : (s + 1) * per]) for row in load) for s in range(WORLD)]
+print("pairs each rank's experts compute:", received, "| even share:", sum(TOKENS) * K // WORLD)
+viz.plot_expert_load(load)
 
 # %% [markdown]
 # ## The token flow between ranks, from the tracer
@@ -159,7 +159,6 @@ _ = fig
 trace = Trace([e for res in results for e in res["events"]])
 ROW = 16 * 8  # bytes of one token row (hidden 16, float64)
 flow = viz.token_flow(trace, "experts.dispatch forward", layer=0)
-per = E // WORLD
 assert flow == [[sum(load[r][s * per : (s + 1) * per]) * ROW for s in range(WORLD)]
                 for r in range(WORLD)]  # fmt: skip
 viz.plot_token_flow(flow, row_bytes=ROW)
