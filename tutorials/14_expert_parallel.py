@@ -298,11 +298,11 @@ rows = measured[2.0]["rows"]
 assert rows[0] == max(rows) and busy[2.0] > busy[0.0]  # rank 0, with expert 0, is overloaded
 
 # %% [markdown]
-# Measured once here (4 ranks on 2 cores): with the bias, rank 0 computed 2.3 times the
-# mean number of rows (1.6 without: a random router is not even either) and received
-# 450 KiB from the others instead of 160 KiB; the step took 540 ms instead of 220 ms.
-# The rows and bytes are exact; the times vary from run to run, and on shared cores they
-# mix the busy rank's work with the others'. On real accelerators, one per rank, the
+# Measured here (4 ranks on 2 cores): with the bias, rank 0 computed 2.3 times the mean
+# number of rows (1.6 without: a random router is not even either) and received 450 KiB
+# from the others instead of 160 KiB. Those are exact. The step times are not: two runs
+# gave 220 → 540 ms and 280 → 180 ms (balanced → biased), because four ranks on two shared
+# cores take turns, and the machine had other work. On real accelerators, one per rank, the
 # whole step waits for the busiest rank: the cost tracks its rows. That is what the
 # auxiliary load-balancing loss and a capacity factor are for
 # (`ExpertParallel(capacity_factor=1.25)`: each rank sends an expert at most 1.25 times
