@@ -10,7 +10,8 @@ import re
 import nbformat
 
 # run in JupyterLab by tests/test_browser.py: the explorers and the first one (%%ranks)
-LAB = ("00_ranks", "04_uneven_shards", "06_halo_convolution", "13_pipeline_parallel")
+LAB = ("00_ranks", "04_uneven_shards", "06_halo_convolution", "13_pipeline_parallel",
+       "14_expert_parallel")
 CHROMIUM = "/usr/bin/chromium"
 
 

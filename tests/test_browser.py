@@ -54,6 +54,7 @@ EXPLORERS = {
     "04_uneven_shards": ("text", "5,5,4,4", "9,3,3,3"),
     "06_halo_convolution": ("slider", None, None),
     "13_pipeline_parallel": ("slider", None, None),  # micro-batches: each runs on the ranks
+    "14_expert_parallel": ("slider", None, None),
 }
 # Run All in JupyterLab: the notebooks a learner plays with (the explorers) and the first
 # one (%%ranks cells). Every notebook's cells and figures are checked by the docs build

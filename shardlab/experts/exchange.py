@@ -76,27 +76,31 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None, None
 
 
-def summed(param: torch.Tensor, group) -> torch.Tensor:
-    """``param`` as it is (a view), whose gradient is summed over the ranks of ``group``:
-    kept for the one all-reduce at the end of the backward where torch allows it
-    (:func:`shardlab.tensor.grad_sum.keep`), else all-reduced at once."""
-    if not (torch.is_grad_enabled() and param.requires_grad) or dist.get_world_size(group) == 1:
+def summed(param: torch.Tensor, group, cause: str = "experts.replicated") -> torch.Tensor:
+    """``param`` as it is (a view), whose gradient is summed over the ranks of ``group``
+    (a process group, or a list of them: one after the other): kept for the one all-reduce
+    at the end of the backward where torch allows it (a leaf parameter,
+    :func:`shardlab.tensor.grad_sum.keep`), else all-reduced at once, labelled ``cause``."""
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
+    groups = [g for g in groups if dist.get_world_size(g) > 1]
+    if not (torch.is_grad_enabled() and param.requires_grad) or not groups:
         return param
-    return _Summed.apply(param, group)
+    return _Summed.apply(param, groups, cause)
 
 
 @fenced
 class _Summed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, param, group):
-        ctx.group = group
+    def forward(ctx, param, groups, cause):
+        ctx.groups, ctx.cause = groups, cause
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad_sum.keep(ctx, 0, grad, [ctx.group]):
-            return None, None  # summed with the others at the end of the backward
+        if grad_sum.keep(ctx, 0, grad, ctx.groups):
+            return None, None, None  # summed with the others at the end of the backward
         grad = grad.clone()
-        with label("experts.replicated", "backward"):
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        with label(ctx.cause, "backward"):
+            for group in ctx.groups:
+                dist.all_reduce(grad, group=group)
+        return grad, None, None

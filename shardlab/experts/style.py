@@ -52,11 +52,16 @@ class ExpertParallel(ParallelStyle):
     The block's input is each rank's tokens: a ShardTensor (or DTensor) cut along a token
     dim (batch or sequence, not the last) over the same mesh, whose local block is read
     and whose layout the output gets; or a plain tensor, read as this rank's own tokens
-    (as under data parallelism). Either way the result equals one device running the block
-    on all the ranks' tokens together: forward, the input's gradient, each rank's experts'
-    gradients (their slice of one device's) and the router's (summed over the ranks, equal
-    on every rank, with the other replicated gradients in one all-reduce at the end of the
-    backward). Do not wrap the block in DDP over the same ranks: its experts differ.
+    (as under data parallelism). The tokens may be cut over a larger mesh of which the
+    experts' mesh is one dim (``mesh["ep"]`` of ``("ep", "sp")``: each rank its own
+    sequences along ``ep``, its own positions along ``sp``): then the all-to-alls run over
+    ``ep`` only, and every weight's gradient, the experts' too, is also summed over the
+    other dims (the experts' at once, ``experts.weights backward``). Either way the result
+    equals one device running the block on all the ranks' tokens together: forward, the
+    input's gradient, each rank's experts' gradients (their slice of one device's) and the
+    router's (summed over the ranks, equal on every rank, with the other replicated
+    gradients in one all-reduce at the end of the backward). Do not wrap the block in DDP
+    over the same ranks: its experts differ.
 
     Messages per call, on the mesh's group (``shardlab.trace`` labels): forward one
     ``all_to_all`` of E int64 counts (``experts.counts``), the token rows out
@@ -122,6 +127,10 @@ class _State:
     ranks: int = field(init=False)
     local: int = field(init=False)  # experts per rank, E/p
     replicated: list = field(init=False)  # (module, name) of every other parameter
+    # while the block runs: the process groups of the token mesh's other dims (a 2-D mesh:
+    # experts over one dim, tokens also cut over the others), over which every weight's
+    # gradient, the experts' too, is summed
+    others: list = field(init=False, default_factory=list)
 
     def __post_init__(self):
         block, mesh, name = self.block, self.mesh, self.style.experts
@@ -205,7 +214,10 @@ def _experts_forward(state: _State, own_forward, *args, **kwargs):
     bound = inspect.signature(own_forward).bind(*args, **kwargs)
     hidden, index, weights = list(bound.arguments.values())[:3]
     experts = state.experts
-    local = {n: p.to_local() for n, p in experts.named_parameters(recurse=False)}  # E/p, ...
+    local = {  # E/p, ...: summed over the token mesh's other dims, if any
+        n: summed(p.to_local(), state.others, "experts.weights")
+        for n, p in experts.named_parameters(recurse=False)
+    }
 
     def run_local(rows, ids, ones):  # this rank's experts: the module's own forward
         with _swapped([(experts, n, t) for n, t in local.items()]):
@@ -224,12 +236,17 @@ def _block_forward(state: _State, own_forward, *args, **kwargs):
     bound = inspect.signature(own_forward).bind(*args, **kwargs)
     first = next(iter(bound.arguments))
     x = bound.arguments[first]
-    cut = _tokens_of(x, state) if isinstance(x, DTensor) else None
+    cut, others = _tokens_of(x, state) if isinstance(x, DTensor) else (None, [])
     if cut is not None:
         bound.arguments[first] = cut.to_local()  # (.., T_r, .., H): this rank's block
-    values = [(m, n, summed(m._parameters[n], state.group)) for m, n in state.replicated]
-    with _swapped(values):
-        out = own_forward(*bound.args, **bound.kwargs)
+    groups = [state.group, *others]
+    values = [(m, n, summed(m._parameters[n], groups)) for m, n in state.replicated]
+    state.others = others
+    try:
+        with _swapped(values):
+            out = own_forward(*bound.args, **bound.kwargs)
+    finally:
+        state.others = []
     if cut is None:
         return out
     shape = bound.arguments[first].shape
@@ -242,21 +259,25 @@ def _block_forward(state: _State, own_forward, *args, **kwargs):
     return torch.utils._pytree.tree_map(back, out)
 
 
-def _tokens_of(x: DTensor, state: _State) -> ShardTensor:
-    """``x`` as a ShardTensor cut along a token dim over the experts' mesh, or an error
-    that says what is wrong (every rank alike: the layout is global)."""
+def _tokens_of(x: DTensor, state: _State) -> tuple[ShardTensor, list]:
+    """``x`` as a ShardTensor whose every mesh dim cuts a token dim, one of them the
+    experts' mesh, and the process groups of its other mesh dims; or an error that says
+    what is wrong (every rank alike: the layout is global)."""
     st = ShardTensor.from_dtensor(x)
     ranks = dist.get_process_group_ranks
-    if st.device_mesh.ndim != 1 or ranks(st.device_mesh.get_group(0)) != ranks(state.group):
+    mesh = st.device_mesh
+    mine = [d for d in range(mesh.ndim) if ranks(mesh.get_group(d)) == ranks(state.group)]
+    if not mine:
         raise ValueError(
-            f"ExpertParallel: the block's input is cut over the mesh {st.device_mesh}, not "
-            f"the experts' {state.mesh}: cut the tokens over the experts' mesh"
+            f"ExpertParallel: the block's input is cut over the mesh {mesh}, none of whose "
+            f"dims is the experts' {state.mesh}: cut the tokens over the experts' mesh"
         )
-    (place,) = st.placements
-    if not isinstance(place, Shard) or place.dim % st.ndim == st.ndim - 1:
-        raise ValueError(
-            f"ExpertParallel: the block's input is {place!r} over the experts' mesh; each "
-            "rank must hold its own tokens: cut a token dim (batch or sequence, Shard(0) or "
-            "Shard(1)), not the hidden dim, nor Replicate/Partial"
-        )
-    return st
+    for place in st.placements:
+        if not isinstance(place, Shard) or place.dim % st.ndim == st.ndim - 1:
+            raise ValueError(
+                f"ExpertParallel: the block's input is {place!r} over a dim of its mesh; "
+                "each rank must hold its own tokens: cut a token dim (batch or sequence, "
+                "Shard(0) or Shard(1)) over every mesh dim, not the hidden dim, nor "
+                "Replicate/Partial"
+            )
+    return st, [mesh.get_group(d) for d in range(mesh.ndim) if d != mine[0]]

@@ -47,6 +47,8 @@ class Event:
     waits at once, ``batch_isend_irecv``'s caller later; ``wait_tensor`` for a functional
     collective); 0.0 where it was not waited for inside the trace. ``end - start`` is the
     message's time on this rank, waiting for the other ranks included.
+    ``splits``: for an ``all_to_all``, the bytes this rank hands each rank of the group, in
+    group order (summing to ``bytes``; its own share stays on the rank); None otherwise.
     """
 
     rank: int
@@ -64,6 +66,7 @@ class Event:
     start: float = 0.0
     duration: float = 0.0
     end: float = 0.0
+    splits: tuple[int, ...] | None = None
 
     @property
     def is_p2p(self) -> bool:
@@ -160,6 +163,8 @@ class Trace:
         for d in json.loads(text):
             d["group"] = tuple(d["group"])
             d["shapes"] = tuple(tuple(s) for s in d["shapes"])
+            if d.get("splits") is not None:
+                d["splits"] = tuple(d["splits"])
             events.append(Event(**d))
         return cls(events)
 

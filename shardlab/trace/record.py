@@ -94,7 +94,9 @@ class _Recorder:
         bound.update(kwargs)
         group, pg = _named_group(bound.get("group_name"))
         peer = bound.get(peer_name) if peer_name else None
-        return self._event(kind, bound.get(payload_name), group, pg, peer, op, api, start, duration)
+        splits = bound.get("input_split_sizes")
+        return self._event(kind, bound.get(payload_name), group, pg, peer, op, api, start,
+                           duration, splits)  # fmt: skip
 
     def _record_method(self, name, pg, args, kwargs, start, duration) -> Event | None:
         """A ``ProcessGroup`` method's call (:data:`~.hooks.METHODS`)."""
@@ -121,11 +123,15 @@ class _Recorder:
             import torch.distributed as dist
 
             known = self.groups[id(pg)] = (tuple(dist.get_process_group_ranks(pg)), pg)
+        splits = None  # all_to_all_single(output, input, output_splits, input_splits, ...)
+        if kind == "all_to_all" and len(args) > 3 and not isinstance(payload, list):
+            splits = args[3]
         return self._event(
-            kind, payload, known[0], pg, peer, f"c10d.{name}", "c10d", start, duration
+            kind, payload, known[0], pg, peer, f"c10d.{name}", "c10d", start, duration, splits
         )
 
-    def _event(self, kind, payload, group, pg, peer, op, api, start, duration) -> Event | None:
+    def _event(self, kind, payload, group, pg, peer, op, api, start, duration,
+               splits=None) -> Event | None:  # fmt: skip
         """Append the event (returned; None for a fake run, which sends nothing)."""
         if isinstance(payload, torch.Tensor):
             tensors = [payload]
@@ -155,9 +161,24 @@ class _Recorder:
             api=api,
             start=start,
             duration=duration,
+            splits=_split_bytes(tensors, splits, len(group)) if kind == "all_to_all" else None,
         )
         self.events.append(event)
         return event
+
+
+def _split_bytes(tensors, splits, ranks: int) -> tuple[int, ...] | None:
+    """The bytes an ``all_to_all`` hands each of the group's ``ranks``: one tensor per rank
+    (c10d's list form), or one tensor cut along dim 0 in ``splits`` rows (even if empty)."""
+    if len(tensors) == ranks and len(tensors) > 1:
+        return tuple(t.numel() * t.element_size() for t in tensors)
+    if len(tensors) != 1:
+        return None
+    (t,) = tensors
+    rows = t.shape[0] if t.dim() else 1
+    row = t.numel() * t.element_size() // rows if rows else 0
+    splits = [int(n) for n in splits or []] or [rows // ranks] * ranks
+    return tuple(n * row for n in splits)
 
 
 def _default_mesh():

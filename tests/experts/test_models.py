@@ -205,3 +205,98 @@ def test_activation_checkpointing_sends_each_layers_forward_again(ranks_for):
     for bad, labels in ranks_for(2).run(body):
         assert bad == [], bad
         assert labels == forward * 2 + (forward + backward) * 2, labels
+
+
+def test_on_a_2d_mesh_experts_over_one_dim_the_sequence_cut_over_the_other(ranks_for):
+    """Mesh (2, 2) ``("ep", "sp")``: the experts spread over ``ep``, each rank its own
+    sequences along ``ep`` and its own positions along ``sp`` (sequence parallelism: the
+    attention's ring runs over ``sp``). The all-to-alls run over ``ep`` only; the experts'
+    gradients are summed over ``sp`` (``experts.weights backward``), every other gradient
+    over both dims; one training step equals one device."""
+
+    def body():
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        import shardlab
+        from shardlab import ExpertParallel
+
+        mesh = shardlab.this_rank().mesh_for((2, 2), names=("ep", "sp"))
+        ids = torch.randint(0, _moe.VOCAB, (3, 9), generator=torch.Generator().manual_seed(3))
+
+        def loss_of(logits, ids):
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+        one = _moe.model("mixtral")
+        ref = one(input_ids=ids).logits
+        loss_of(ref, ids).backward()
+        model = _moe.model("mixtral")
+        parallelize_module(model, mesh["ep"], dict.fromkeys(PLAN, ExpertParallel()))
+        with shardlab.patched(), shardlab.trace(mesh) as t:
+            mine = shardlab.distribute(ids, mesh, [Shard(0), Shard(1)], [[2, 1], [5, 4]])
+            logits = model(input_ids=mine).logits
+            loss_of(logits, mine).backward()
+        ep = mesh.get_coordinate()[0]
+        want = dict(one.named_parameters())
+        bad = [
+            n
+            for n, p in model.named_parameters()
+            if not _moe.close(p.grad.to_local() if ".experts." in n else p.grad,
+                              want[n].grad[2 * ep : 2 * ep + 2] if ".experts." in n
+                              else want[n].grad)
+        ]  # fmt: skip
+        axes = {
+            e.label: mesh.mesh_dim_names[e.mesh_dim]
+            for e in t.events
+            if e.label.startswith("experts.") and e.mesh_dim is not None
+        }
+        return _moe.close(logits.full_tensor(), ref.detach()), bad, axes
+
+    for same, bad, axes in ranks_for(4).run(body):
+        assert same and bad == [], bad
+        assert axes == {
+            **dict.fromkeys(
+                ["experts.counts forward", "experts.dispatch forward", "experts.combine forward",
+                 "experts.combine backward", "experts.dispatch backward"], "ep"),
+            "experts.weights backward": "sp",
+        }, axes  # fmt: skip
+
+
+def test_explain_puts_each_layers_all_to_alls_on_its_experts_module(ranks_for):
+    """``shardlab.explain`` on an expert-parallel Mixtral: each MoE layer's ``experts``
+    module has its three forward all-to-alls (counts, dispatch, combine) and its two
+    backward ones; no other module has an all-to-all; the gradients' all-reduce has its
+    own row."""
+
+    def body():
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        import shardlab
+        from shardlab import ExpertParallel
+
+        me = shardlab.this_rank()
+        ids = torch.randint(0, _moe.VOCAB, (5, 4), generator=torch.Generator().manual_seed(3))
+        model = _moe.model("mixtral")
+        parallelize_module(model, me.mesh, dict.fromkeys(PLAN, ExpertParallel()))
+        with shardlab.patched():
+            mine = shardlab.distribute(ids, me.mesh, [Shard(0)], [BATCH[2]])
+            ex = shardlab.explain(model, input_ids=mine, labels=mine)
+        return [
+            (r.name, r.phase, [(e[0], e[4]) for e in r.events if e[0] != "all_reduce"])
+            for r in ex.rows(me.rank)
+            if r.events
+        ], [r.name for r in ex.rows(me.rank) if any(e[0] == "all_reduce" for e in r.events)]
+
+    fwd = [("all_to_all", f"experts.{n} forward") for n in ("counts", "dispatch", "combine")]
+    bwd = [("all_to_all", f"experts.{n} backward") for n in ("combine", "dispatch")]
+    for rows, reduces in ranks_for(2).run(body):
+        moe = [r for r in rows if r[2]]
+        assert moe == [
+            ("model.layers.0.mlp.experts", "forward", fwd),
+            ("model.layers.1.mlp.experts", "forward", fwd),
+            ("model.layers.1.mlp.experts", "backward", bwd),
+            ("model.layers.0.mlp.experts", "backward", bwd),
+        ], rows
+        assert reduces[-1] == "(parameters' gradients)", reduces
