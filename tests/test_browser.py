@@ -53,6 +53,7 @@ playwright = pytest.importorskip("playwright.sync_api", reason="pip install play
 EXPLORERS = {
     "04_uneven_shards": ("text", "5,5,4,4", "9,3,3,3"),
     "06_halo_convolution": ("slider", None, None),
+    "15_predict_then_measure": ("slider", None, None),  # the first: InfiniBand's bandwidth
 }
 # Run All in JupyterLab: the notebooks a learner plays with (the explorers) and the first
 # one (%%ranks cells). Every notebook's cells and figures are checked by the docs build

@@ -25,6 +25,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} µs"
 
 
+def _png(fig, dpi=90) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
 def plot_projection(projections, *, title: str | None = None, notes=()):
     """Bars per projection (one per scale): compute beside communication stacked by dim, in
     seconds per step; a label says whether communication hides behind compute (perfect
@@ -48,6 +54,7 @@ def plot_projection(projections, *, title: str | None = None, notes=()):
     lines += list(notes)
     fig = Figure(figsize=(8.5, 3.2 + 0.13 * len(lines)), layout="constrained")
     FigureCanvasAgg(fig)
+    fig._repr_png_ = lambda: _png(fig)  # Jupyter shows the returned figure
     ax, notes_ax = fig.subplots(2, 1, height_ratios=[3.2, 0.13 * len(lines)])
     top = 0.0
     for i, p in enumerate(projections):
@@ -57,7 +64,8 @@ def plot_projection(projections, *, title: str | None = None, notes=()):
         for dim in DIMS:
             s = p.comm.get(dim, 0.0)
             if s:
-                ax.bar(i + 0.2, s, 0.36, bottom=bottom, color=COLOURS[dim], label=dim)
+                name = "data (gradients)" if dim == "data" else dim
+                ax.bar(i + 0.2, s, 0.36, bottom=bottom, color=COLOURS[dim], label=name)
                 bottom += s
         verdict = "hides" if p.hidden else f"exposed {_ms(p.exposed)}"
         ax.text(i, max(p.compute, bottom) * 1.03, verdict, ha="center", va="bottom", fontsize=8)
@@ -139,9 +147,7 @@ class ProjectionExplorer:
         cluster = self.current()
         self.projections = [project(step, cluster, d, growth) for _, d in sorted(degrees.items())]
         self.figure = plot_projection(self.projections)
-        buf = io.BytesIO()
-        self.figure.savefig(buf, format="png", dpi=90)
-        self.image.value = buf.getvalue()
+        self.image.value = _png(self.figure)
         self.text.value = "<br>".join(f"<small>{p}</small>" for p in self.projections)
 
 
