@@ -55,6 +55,7 @@ EXPLORERS = {
     "06_halo_convolution": ("slider", None, None),
     "13_pipeline_parallel": ("slider", None, None),  # micro-batches: each runs on the ranks
     "14_expert_parallel": ("slider", None, None),
+    "15_predict_then_measure": ("slider", None, None),  # the first: InfiniBand's bandwidth
 }
 # Run All in JupyterLab: the notebooks a learner plays with (the explorers) and the first
 # one (%%ranks cells). Every notebook's cells and figures are checked by the docs build

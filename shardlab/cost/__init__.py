@@ -15,20 +15,53 @@
 - ``model.py``: :class:`CostModel`, one ``(α, β)`` link per kind, and the fit;
 - ``pairing.py``: a trace's events paired into messages, their measured time;
 - ``calibrate.py``: :func:`calibrate`, on the ranks at hand;
-- ``predict.py``: :func:`predict`, a trace's messages and step, predicted and measured.
+- ``predict.py``: :func:`predict`, a trace's messages and step, predicted and measured;
+- ``cluster.py``: a recorded step projected onto a :class:`Cluster` described by its
+  parameters (NVLink, InfiniBand, GPU FLOP/s) at other :class:`Degrees`: :func:`project`;
+- ``explore.py``: :func:`plot_projection` and :func:`projection_explorer`.
 
 The top layer: it reads traces (:mod:`shardlab.trace`) and runs on a pool
 (``shardlab.runtime``); nothing below imports it. Guide: ``docs/guides/cost.md``.
 """
 
 from shardlab.cost.calibrate import calibrate
+from shardlab.cost.cluster import (
+    Cluster,
+    Degrees,
+    Growth,
+    Projection,
+    Step,
+    Traffic,
+    count_flops,
+    project,
+    recorded_step,
+    rule_of,
+    scale,
+    spans_nodes,
+)
+from shardlab.cost.explore import ProjectionExplorer, plot_projection, projection_explorer
 from shardlab.cost.formulas import Link, coefficients, formula_bytes, wire_bytes
 from shardlab.cost.model import CostModel, fit_link
 from shardlab.cost.pairing import Message, gaps, messages
 from shardlab.cost.predict import MessageCost, Prediction, predict
 
 __all__ = [
+    "Cluster",
     "CostModel",
+    "Degrees",
+    "Growth",
+    "Projection",
+    "ProjectionExplorer",
+    "Step",
+    "Traffic",
+    "count_flops",
+    "plot_projection",
+    "project",
+    "projection_explorer",
+    "recorded_step",
+    "rule_of",
+    "scale",
+    "spans_nodes",
     "Link",
     "Message",
     "MessageCost",

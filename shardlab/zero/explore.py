@@ -48,6 +48,12 @@ def _title(layers: int, hidden: int, vocab: int) -> str:
     return f"Llama, {layers} blocks of width {hidden}, vocab {vocab}: Ψ = {psi:,}"
 
 
+def _png(fig, dpi=90) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
 def plot(items, *, title: str | None = None):
     """A bar chart of bytes per rank, one group per item of ``items``: a
     :class:`~shardlab.zero.Prediction` (one bar), or a :class:`~shardlab.zero.Row` (the
@@ -59,6 +65,7 @@ def plot(items, *, title: str | None = None):
 
     fig = Figure(figsize=(max(4.0, 1.6 * len(items) + 1.5), 3.6), layout="constrained")
     FigureCanvasAgg(fig)
+    fig._repr_png_ = lambda: _png(fig)  # Jupyter shows the returned figure
     ax = fig.add_subplot()
     top, ticks, labels = 0.0, [], []
     for i, item in enumerate(items):
