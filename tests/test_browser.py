@@ -203,7 +203,9 @@ def _play(page, kind, old, new):
     deadline = time.time() + 30
     while time.time() < deadline and image.get_attribute("src") == before:
         time.sleep(0.5)
-    assert image.get_attribute("src") != before, "the figure did not change"
+    if image.get_attribute("src") == before:  # what the explorer says (its status line)
+        said = page.locator(".widget-html").evaluate_all("els => els.map(e => e.innerText)")
+        raise AssertionError(f"the figure did not change; the explorer's texts: {said[-3:]}")
 
 
 # -- the site (docs/_build/html, built by the docs_site fixture) --------------------------

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -314,5 +314,6 @@ for r, rows in enumerate(explanation.ranks):
         print("   ", item)
     assert all(name == "(outside modules)" for name, *_ in busy)
 
-# %%
-ranks.close()
+# %% [markdown]
+# The explorer above runs each new choice on `ranks`, so this notebook leaves them open:
+# `ranks.close()` frees them when you are done (the kernel's end does too).

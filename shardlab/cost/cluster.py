@@ -133,7 +133,7 @@ class Degrees:
 
     @property
     def gpus(self) -> int:
-        """The ranks in all: the product of the degrees."""
+        """The ranks in all (the product of the degrees)."""
         return self.tensor * self.sequence * self.domain * self.data
 
     def __str__(self) -> str:
@@ -308,7 +308,7 @@ class Projection:
 
     @property
     def step_time(self) -> float:
-        """Seconds per step, perfect overlap: ``compute + exposed``."""
+        """Seconds per step with perfect overlap (``compute + exposed``)."""
         return self.compute + self.exposed
 
     def __str__(self) -> str:

@@ -28,6 +28,8 @@ SCHEDULES = {
     "ZeroBubble": ("ScheduleInterleavedZeroBubble", 2),
     "ZBV": ("ScheduleZBVZeroBubble", 2),
 }
+"""The schedules :func:`step` runs, by name: the ``torch.distributed.pipelining`` class and
+the stages each rank holds (1, or 2 for the interleaved and zero-bubble ones)."""
 
 
 def layer_ranges(layers: int, stages: int) -> list[range]:

@@ -32,6 +32,8 @@ KINDS = {
     "I": "backward, input part",
     "W": "backward, weight part",
 }
+"""What an :class:`Action`'s kind means: ``F`` forward, ``B`` a whole backward, ``I`` and
+``W`` its input and weight parts (zero-bubble schedules)."""
 
 
 @dataclass(frozen=True)

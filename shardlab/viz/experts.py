@@ -245,13 +245,13 @@ class ExpertExplorer(_Explorer):
         def slider(name, lo, hi):
             return w.IntSlider(value=v[name], min=lo, max=max(hi, v[name]), description=name)
 
-        return {
+        return {  # the router's bias first: what the explorer is about
+            "bias": w.FloatSlider(value=v["bias"], min=0.0, max=max(6.0, v["bias"]), step=0.25,
+                                  description="bias"),
             "experts": slider("experts", 1, 32),
             "top_k": slider("top_k", 1, 8),
             "ranks": slider("ranks", 1, 8),
             "tokens": slider("tokens", 1, 512),
-            "bias": w.FloatSlider(value=v["bias"], min=0.0, max=max(6.0, v["bias"]), step=0.25,
-                                  description="bias"),
             "row_bytes": w.IntText(value=v["row_bytes"], description="row bytes"),
         }  # fmt: skip
 
