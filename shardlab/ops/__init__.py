@@ -13,6 +13,7 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     attention,
     conv,
     cross_entropy,
+    doors,
     dropout,
     fft,
     interpolate,
