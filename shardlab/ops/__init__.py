@@ -19,6 +19,7 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     interpolate,
     linear,
     losses,
+    lrn,
     mha,
     neighborhood,
     norm,
