@@ -20,7 +20,6 @@ A channel cut together with a spatial cut, or ``groups > 1``: NotImplementedErro
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.ops._cnn_common import cut_once, meta_call, meta_like, my_offset, summed_grads
@@ -38,13 +37,12 @@ def channel_cut(name, torch_op, transposed, input, weight, bias, args, kwargs, g
     if groups != 1:
         raise NotImplementedError(f"{name}: an input cut along its channels with groups > 1")
     try:  # torch's checks, global shapes, before anything else
-        shape = meta_call(torch_op, input, meta_like(weight), meta_like(bias), *args, **kwargs).shape
+        meta = meta_call(torch_op, input, meta_like(weight), meta_like(bias), *args, **kwargs)
     except RuntimeError as e:
         raise RuntimeError(
-            f"{name}: input of global shape {list(input.shape)}, weight "
-            f"{list(weight.shape)}: {e}"
+            f"{name}: input of global shape {list(input.shape)}, weight {list(weight.shape)}: {e}"
         ) from None
-    mesh, x = input.device_mesh, input.to_local()
+    shape, mesh, x = meta.shape, input.device_mesh, input.to_local()
     cut = [m for m, p in enumerate(placements) if isinstance(p, Shard)]
     w, b = summed_grads([weight, bias], input, f"{name}.params")
     start, count = my_offset(input, 0), x.shape[0]

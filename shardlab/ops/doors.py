@@ -28,13 +28,14 @@ torch callable                                    entry (arguments)
 ``torch._C._nn.adaptive_avg_pool{2,3}d``            ``adaptive_avg_pool{n}d``
 ``torch._C._nn.upsample_*``, ``_upsample_*_aa``      ``interpolate(mode=..., antialias=...)``
 ``torch._C._nn.im2col``                            ``unfold``
-``torch.group_norm``, ``torch.instance_norm``,       ``group_norm``, ``instance_norm``,
-``torch.batch_norm``                               ``batch_norm``
+``torch.group_norm``, ``torch.instance_norm``       ``group_norm``, ``instance_norm``
 ================================================  ==========================================
 
 (``torch.conv{n}d``, ``torch.conv_transpose{n}d``, ``torch.avg_pool1d``,
 ``torch.adaptive_avg_pool1d`` and ``torch._C._nn.avg_pool{2,3}d`` *are* the F functions:
-their families register them at ``__torch_function__`` themselves.)
+their families register them at ``__torch_function__`` themselves. ``torch.batch_norm``
+and ``F.batch_norm`` stay with aten: on whole blocks the engine keeps torch's kernel as one
+local call, ``tests/engine/test_whole.py``; on a cut, torch's decomposition and the rules.)
 """
 
 from __future__ import annotations
@@ -192,11 +193,5 @@ def _instance_norm(input, weight, bias, running_mean, running_var, use_input_sta
     return (input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps), {}
 
 
-def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                cudnn_enabled=True):  # fmt: skip
-    return (input, running_mean, running_var, weight, bias, training, momentum, eps), {}
-
-
 _door(torch.group_norm, "group_norm", _group_norm)
 _door(torch.instance_norm, "instance_norm", _instance_norm)
-_door(torch.batch_norm, "batch_norm", _batch_norm)

@@ -103,7 +103,7 @@ def _affine(y, weight, bias, shape):
     return y
 
 
-@register("batch_norm", at_function=True)
+@register("batch_norm")
 def batch_norm(
     input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
     eps=1e-5,

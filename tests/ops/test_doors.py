@@ -132,7 +132,8 @@ def test_unbatched_conv_cut_along_channels_is_a_partial_sum(ranks_for, world):
             (torch.conv2d, (5, 7, 6), (2, 5, 3, 3), {"stride": 2, "padding": 2}),
             (torch.conv_transpose1d, (5, 6), (5, 3, 3), {"stride": 2, "output_padding": 1}),
         ):
-            g, w0 = torch.randn(shape, dtype=torch.float64), torch.randn(wshape, dtype=torch.float64)
+            g = torch.randn(shape, dtype=torch.float64)
+            w0 = torch.randn(wshape, dtype=torch.float64)
             b0 = torch.randn(wshape[1] if op is torch.conv_transpose1d else wshape[0],
                              dtype=torch.float64)  # fmt: skip
             ref = [t.clone().requires_grad_(True) for t in (g, w0, b0)]
@@ -175,7 +176,10 @@ def test_local_response_norm_exchanges_only_cut_channels(ranks_for, world):
                                  ((3, 9, 5), 0, 3), ((2, 9, 9, 4), 2, 2)):  # fmt: skip
             g = torch.randn(shape, dtype=torch.float64)
             ref = g.clone().requires_grad_(True)
-            call = lambda t: F.local_response_norm(t, size, alpha=0.3, beta=0.7, k=1.5)  # noqa: E731
+
+            def call(t, size=size):
+                return F.local_response_norm(t, size, alpha=0.3, beta=0.7, k=1.5)
+
             want = call(ref)
             gy = torch.randn(want.shape, dtype=torch.float64)
             want.backward(gy)
@@ -200,7 +204,7 @@ def test_local_response_norm_exchanges_only_cut_channels(ranks_for, world):
             if dim == 1:  # rows q's window reads that r owns (the halo, not r's own rows)
                 starts = [sum(sizes[:q]) for q in range(len(sizes) + 1)]
 
-                def read(q, r):
+                def read(q, r, sizes=sizes, starts=starts, size=size):
                     if q == r or not sizes[q]:
                         return 0
                     lo, hi = starts[q] - size // 2, starts[q + 1] + (size - 1) // 2
