@@ -35,6 +35,7 @@ from shardlab.comm.halo import Halo, WindowRecipe, peers_along
 from shardlab.layout import conv_plan, same_padding
 from shardlab.layout._checks import placement_str
 from shardlab.ops._cnn_common import cut_once, meta_call, meta_like, summed_grads
+from shardlab.ops._conv_channels import channel_cut
 from shardlab.ops._conv_overlap import OverlappedConv, interior
 from shardlab.ops.registry import register
 
@@ -121,12 +122,11 @@ def _conv(name: str, n: int, transposed: bool):
         if not isinstance(input, ShardTensor):
             raise NotImplementedError(f"{name}: only the input may be a sharded ShardTensor")
         if input.ndim == n + 1:  # unbatched (C, *spatial), as torch takes it: a batch of 1
-            for m, p in enumerate(input.placements):
-                if isinstance(p, Shard) and p.dim == 0:
-                    raise NotImplementedError(
-                        f"{name}: an unbatched input cut along its channels ({placement_str(p)} "
-                        f"on mesh dim {m}) is not supported; shard its spatial dims"
-                    )
+            if any(isinstance(p, Shard) and p.dim == 0 for p in input.placements):
+                # its channels cut: each rank's term of the sum over them (a Partial)
+                args = (stride, padding, *rest)
+                return channel_cut(name, torch_op, transposed, input, weight, bias, args,
+                                   kwargs, groups)  # fmt: skip
             y = handler(input.unsqueeze(0), weight, bias, stride, padding, *rest, **kwargs)
             return y.squeeze(0)
         if input.ndim != n + 2:  # torch's error type

@@ -63,7 +63,7 @@ _LINEAR = ("linear", "bilinear", "trilinear")
 _CUBIC_A = -0.75
 
 
-@register("interpolate")
+@register("interpolate", at_function=True)
 def interpolate(
     input, size=None, scale_factor=None, mode="nearest", align_corners=None,
     recompute_scale_factor=None, antialias=False,

@@ -141,7 +141,7 @@ def batch_norm(
     return rewrap(y, input, {}, input.shape)
 
 
-@register("group_norm")
+@register("group_norm", at_function=True)
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     input = check_input("group_norm", input)
     _no_channel_shard("group_norm", input)
@@ -166,7 +166,7 @@ def _grouped(x, weight, bias, input, groups, name, eps):
     return _sync_norm(x, weight, bias, input, view, dims, n, spatial, name, eps, pview)[0]
 
 
-@register("instance_norm")
+@register("instance_norm", at_function=True)
 def instance_norm(
     input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
     momentum=0.1, eps=1e-5,

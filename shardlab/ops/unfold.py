@@ -49,7 +49,7 @@ def _cut_dims(layout, dims):
     return cut
 
 
-@register("unfold")
+@register("unfold", at_function=True)
 def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
     """``F.unfold`` of (N, C, H, W) or (C, H, W) with any of N, C, H, W cut."""
     meta = F.unfold(

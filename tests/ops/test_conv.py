@@ -388,7 +388,8 @@ def test_two_d_mesh_exact_bytes_with_corners(ranks_for):
 
 def test_unbatched_input_as_torch_takes_it(ranks_for):
     """An unbatched (C, *spatial) input cut along a spatial dim: torch's values and input
-    gradient (a batch of one inside); cut along its channels: shardlab's own error; a
+    gradient (a batch of one inside); cut along its channels with groups > 1: shardlab's
+    own error (groups 1: tests/ops/test_doors.py); a
     wrong number of dims: torch's error type. The same on every rank."""
 
     def body():
@@ -422,8 +423,8 @@ def test_unbatched_input_as_torch_takes_it(ranks_for):
                 (distribute(torch.randn(4, 9), mesh, [Shard(0)]), NotImplementedError),
                 (distribute(torch.randn(9), mesh, [Shard(0)]), RuntimeError),
             ):
-                try:
-                    F.conv1d(x, torch.randn(2, 4, 3))
+                try:  # channels cut with groups > 1: shardlab's own error
+                    F.conv1d(x, torch.randn(2, 2, 3), groups=2)
                     out.append("no error")
                 except err as exc:
                     out.append(str(exc).split(":")[0])
