@@ -10,9 +10,12 @@ When one does:
   all-reduces, no block ever leaves its rank;
 * cumsum / cumprod along a cut block dim: local scan, plus the totals of the blocks
   before (one all-gather of one slice per rank);
-* the rest (sort, topk, flip, roll, cummax ...) first move the tensor to the cheapest
-  layout that leaves the coupled dims whole (another dim cut instead, or Replicate),
-  labelled ``auto-redistribute for <op>``.
+* roll along a cut dim: two slices put back in the other order (``cat.align``); flip,
+  and sort / median of a 1-D tensor cut along its only dim: :mod:`.ordering`;
+* the rest (sort, median, topk, cummax ... of a tensor with other dims) first move the
+  tensor to the cheapest layout that leaves the coupled dims whole (another dim cut
+  instead: one all-to-all, the result left cut there; Replicate only where no dim is
+  free, a gather, said), labelled ``auto-redistribute for <op>``.
 """
 
 from __future__ import annotations

@@ -23,9 +23,13 @@ mirror piece of the result), then the pieces are put back in reverse rank order
 The order is torch's stable one: ascending, NaN last, equal values (``-0.0`` and ``0.0``
 too) in index order; descending, NaN first. torch's own CPU sort with ``stable=False``
 may order equal values otherwise (it does not say how): there the values equal torch's
-and the indices may differ on ties. ``median`` / ``nanmedian`` (steps 1-6, then one
-broadcast of the value and its index from the rank holding sorted position
-``(n - 1) // 2``, NaN counted first for ``nanmedian``: one all-reduce of a count).
+and the indices may differ on ties (``median``'s index on ties too). ``median`` /
+``nanmedian``: steps 1-6, one all-reduce of the count of non-NaN values
+(``median.count``), then one all-gather of one value and one index per rank
+(``median.value``) gives every rank the one at sorted position ``(n - 1) // 2`` (of the
+non-NaN ones for ``nanmedian``; ``median`` of values with a NaN: the first NaN),
+Replicate. Not yet: the backward of ``sort`` (a ``scatter`` of the gradient by the
+indices along the cut dim) gathers.
 """
 
 from __future__ import annotations
