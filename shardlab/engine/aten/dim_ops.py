@@ -10,9 +10,12 @@ When one does:
   all-reduces, no block ever leaves its rank;
 * cumsum / cumprod along a cut block dim: local scan, plus the totals of the blocks
   before (one all-gather of one slice per rank);
-* the rest (sort, topk, flip, roll, cummax ...) first move the tensor to the cheapest
-  layout that leaves the coupled dims whole (another dim cut instead, or Replicate),
-  labelled ``auto-redistribute for <op>``.
+* roll along a cut dim: two slices put back in the other order (``cat.align``); flip,
+  and sort / median of a 1-D tensor cut along its only dim: :mod:`.ordering`;
+* the rest (sort, median, topk, cummax ... of a tensor with other dims) first move the
+  tensor to the cheapest layout that leaves the coupled dims whole (another dim cut
+  instead: one all-to-all, the result left cut there; Replicate only where no dim is
+  free, a gather, said), labelled ``auto-redistribute for <op>``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardlab.comm import collectives
 from shardlab.engine import _common as c
+from shardlab.engine.aten import ordering
 from shardlab.engine.meta import meta_call
 from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
@@ -60,8 +64,30 @@ _SPEC = {
     aten.native_layer_norm.default: ((0,), lambda a, k, n: list(range(n - len(a[1]), n)), True),
     aten.kthvalue.default: ((0,), lambda a, k, n: [_at(a, k, 2, "dim", -1)], False),
     aten.median.dim: ((0,), lambda a, k, n: [a[1]], False),
+    aten.nanmedian.dim: ((0,), lambda a, k, n: [a[1]], False),
     aten.mode.default: ((0,), lambda a, k, n: [_at(a, k, 1, "dim", -1)], False),
 }
+
+
+def _reordered(func, args, kwargs, x, dims):
+    """``flip`` along cut dims, ``sort`` / ``median`` of a 1-D tensor cut along its only
+    dim (:mod:`.ordering`); NotImplemented for the rest."""
+    if func is aten.flip.default:
+        return ordering.flip(x, dims)
+    m = ordering.sortable(x)
+    if m is None:
+        return NotImplemented
+    if func in (aten.sort.default, aten.sort.stable):
+        descending = _at(args, kwargs, 2, "descending", False)
+        if func is aten.sort.stable:
+            descending = kwargs.get("descending", False)
+        return ordering.sort_1d(x, m, descending)
+    if func in (aten.median.dim, aten.nanmedian.dim):
+        v, i = ordering.median_1d(x, m, func is aten.nanmedian.dim)
+        if _at(args, kwargs, 2, "keepdim", False):
+            v, i = aten.view.default(v, [1]), aten.view.default(i, [1])
+        return v, i
+    return NotImplemented
 
 
 def _roll(x, shifts, dims):
@@ -128,9 +154,14 @@ def _along_dims(func, args, kwargs):
     if _cutting(lay, dims):
         if spec[2]:
             return NotImplemented  # torch's decomposition: exact sums and maxima
-        if func is aten.cumsum.default and _scan_ok(lay, x.device_mesh, dims[0]):
+        scans = (aten.cumsum.default, aten.cumprod.default)
+        if func in scans and _scan_ok(lay, x.device_mesh, dims[0]):
             x = c.reduced(x, f"{name}.partial")
-            return _cumsum(x, dims[0], kwargs.get("dtype", _at(args, kwargs, 2, "dtype")))
+            dtype = kwargs.get("dtype", _at(args, kwargs, 2, "dtype"))
+            return _cumsum(x, dims[0], dtype, func is aten.cumprod.default)
+        out = _reordered(func, args, kwargs, x, dims)
+        if out is not NotImplemented:
+            return out
         if func is aten.roll.default and _at(args, kwargs, 2, "dims", []):
             shifts = list(_at(args, kwargs, 1, "shifts", []))
             along = [d % x.ndim for d in _at(args, kwargs, 2, "dims", [])]  # (in order)
@@ -213,29 +244,32 @@ def _scan_ok(layout, mesh, dim) -> bool:
     return layout.is_block(dim) and len(cut) == 1 and mesh.shape[cut[0]] > 1
 
 
-def _cumsum(x, dim, dtype):
-    """Scan of a cut block dim: local cumsum + the sum of every earlier block's total.
+def _cumsum(x, dim, dtype, prod=False):
+    """Scan of a cut block dim: local cumsum + the sum of every earlier block's total
+    (``cumprod``: times the product of every earlier block's total).
 
     1. local cumsum                                   (B, T_local, ...)
     2. all-gather each rank's total (the last row)    one slice per rank
-    3. add the totals of the ranks before this one
+    3. add the totals of the ranks before this one (multiply, for cumprod)
     """
     (m,) = _cutting(x._layout, [dim])
     mesh = x.device_mesh
-    local = torch.cumsum(x._local_tensor, dim, dtype=dtype)
+    local = (torch.cumprod if prod else torch.cumsum)(x._local_tensor, dim, dtype=dtype)
+    empty = local.narrow(dim, 0, 0)
     total = (
         local.narrow(dim, local.shape[dim] - 1, 1)
         if local.shape[dim]
-        else torch.zeros_like(local.narrow(dim, 0, 0)).sum(dim, keepdim=True)
+        else (empty.prod(dim, keepdim=True) if prod else empty.sum(dim, keepdim=True))
     )
     total = total.contiguous()
     group = mesh.get_group(m)
     gathered = [torch.empty_like(total) for _ in range(mesh.shape[m])]
-    with label("cumsum.scan"):
+    with label(f"{'cumprod' if prod else 'cumsum'}.scan"):
         collectives.all_gather(gathered, total, group)
     mine = c.me(mesh)[m]
     if mine:
-        local = local + torch.stack(gathered[:mine]).sum(0)
+        before = torch.stack(gathered[:mine])
+        local = local * before.prod(0) if prod else local + before.sum(0)
     return c.wrap(local, mesh, x._layout)
 
 
