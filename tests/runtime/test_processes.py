@@ -22,7 +22,7 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"  # zombies are dead
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or gone between open and read
         return False
 
 
