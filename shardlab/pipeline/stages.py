@@ -123,9 +123,10 @@ def step(model, ids, labels, *, schedule: str = "1F1B", microbatches: int = 8,
     :data:`SCHEDULES`). Each rank holds its stages (:func:`stage_indices`), runs the
     schedule with its actions recorded (:func:`~shardlab.pipeline.record`) and its
     messages traced, and leaves the gradients of its stages' parameters in ``model``
-    (scaled by ``1 / microbatches``; the loss :func:`lm_loss`, the mean of the
-    micro-batches' mean losses: one device's gradient for micro-batches with as many
-    labelled tokens). Call on every rank of ``group``.
+    (the loss :func:`lm_loss` of each micro-batch divided by ``microbatches`` before its
+    backward, ``scale_grads=False``: the mean of the micro-batches' mean losses, one
+    device's gradient for micro-batches with as many labelled tokens, to float64 rounding
+    for any ``microbatches``). Call on every rank of ``group``.
 
     Communicates:
         The schedule's point-to-point messages: each micro-batch's hidden states
@@ -151,12 +152,26 @@ def step(model, ids, labels, *, schedule: str = "1F1B", microbatches: int = 8,
         pipelining.PipelineStage(DecoderStage(model, i, n, cuts[i]), i, n, device, group=group)
         for i in mine
     ]
-    sched = cls(stages if per_rank > 1 else stages[0], microbatches, loss_fn=lm_loss)
+
+    # The loss is divided by ``microbatches`` *before* backward (``scale_grads=False``),
+    # not the gradients after it (torch's default, ``scale_grads=True``). Both are exact
+    # in float64, but the model is not entirely float64: ``transformers``' RMSNorm casts
+    # its input to float32 (a downcast for a float64 model), so every backward through it
+    # rounds the gradient to float32. One device's mean loss carries the 1/m into that
+    # rounding; torch's default rounds the unscaled gradient and divides afterwards, which
+    # differs by ~1e-7 relative unless m is a power of two. Scaling the loss as one
+    # device's backward does gives the same gradients as one device, to float64 rounding.
+    def loss_fn(logits, target):
+        return lm_loss(logits, target) / microbatches
+
+    sched = cls(stages if per_rank > 1 else stages[0], microbatches, loss_fn=loss_fn,
+                scale_grads=False)  # fmt: skip
     losses: list = []
     holds_first, holds_last = 0 in mine, n - 1 in mine
     args = (ids,) if holds_first else ()
     kwargs = {"target": labels, "losses": losses} if holds_last else {}
     with shardlab.trace(trace_mesh) as t, record(stages, dist.get_rank()) as actions:
         sched.step(*args, **kwargs)
-    loss = float(torch.stack(losses).detach().mean()) if holds_last else None
+    # each entry is a micro-batch's mean loss / m: their sum is the mean over micro-batches
+    loss = float(torch.stack(losses).detach().sum()) if holds_last else None
     return Step(loss, mine, list(actions), list(t.events))

@@ -77,6 +77,17 @@ def test_step_is_one_device_and_records_every_action_once(ranks_for, schedule, k
     assert all(a.duration == pytest.approx(a.cpu) for a in ideal)
 
 
+@pytest.mark.parametrize("schedule, m", [("1F1B", 6), ("GPipe", 3)])
+def test_step_is_one_device_for_m_not_a_power_of_two(ranks_for, schedule, m):
+    # transformers' RMSNorm rounds the gradient through it to float32: the 1/m must be in
+    # the loss before backward, as on one device, not divided out of the gradients after
+    # (torch's default), or the gradients differ by ~1e-7 relative unless m is 2**k
+    res = ranks_for(2).run(_body, schedule, m)
+    assert max(max(err.values()) for _, err, _ in res) < 1e-12
+    losses = [(out.loss, want) for out, _, want in res if out.loss is not None]
+    assert len(losses) == 1 and losses[0][0] == pytest.approx(losses[0][1], abs=1e-12)
+
+
 def test_explorer_runs_each_choice_once():
     pytest.importorskip("ipywidgets")
     from tests.pipeline.test_timeline import gpipe, messages
