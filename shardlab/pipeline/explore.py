@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import io
 
-from shardlab.pipeline.timeline import KINDS, bubble, formula, replay
+from shardlab.pipeline.timeline import KINDS, _Table, bubble, formula, replay
 
 __all__ = ["COLOURS", "PipelineExplorer", "explorer", "plot"]
 
-COLOURS = {"F": "#6baed6", "B": "#74c476", "I": "#fd8d3c", "W": "#9e9ac8"}
-"""The colour :func:`plot` gives each kind of action (see :data:`KINDS`)."""
+COLOURS = _Table(
+    "The colour :func:`plot` gives each kind of action (see :data:`KINDS`).",
+    {"F": "#6baed6", "B": "#74c476", "I": "#fd8d3c", "W": "#9e9ac8"},
+)
 
 
 def plot(actions, *, title: str | None = None, ax=None, stages: int | None = None):

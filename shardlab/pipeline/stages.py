@@ -17,19 +17,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardlab.pipeline.timeline import _Table
+
 __all__ = ["SCHEDULES", "DecoderStage", "Step", "layer_ranges", "lm_loss", "stage_indices"]
 __all__ += ["step"]
 
-# name -> (torch.distributed.pipelining class name, stages per rank)
-SCHEDULES = {
-    "GPipe": ("ScheduleGPipe", 1),
-    "1F1B": ("Schedule1F1B", 1),
-    "Interleaved1F1B": ("ScheduleInterleaved1F1B", 2),
-    "ZeroBubble": ("ScheduleInterleavedZeroBubble", 2),
-    "ZBV": ("ScheduleZBVZeroBubble", 2),
-}
-"""The schedules :func:`step` runs, by name: the ``torch.distributed.pipelining`` class and
-the stages each rank holds (1, or 2 for the interleaved and zero-bubble ones)."""
+SCHEDULES = _Table(
+    "The schedules :func:`step` runs, by name: the ``torch.distributed.pipelining`` class "
+    "and the stages each rank holds (1, or 2 for the interleaved and zero-bubble ones).",
+    {
+        "GPipe": ("ScheduleGPipe", 1),
+        "1F1B": ("Schedule1F1B", 1),
+        "Interleaved1F1B": ("ScheduleInterleaved1F1B", 2),
+        "ZeroBubble": ("ScheduleInterleavedZeroBubble", 2),
+        "ZBV": ("ScheduleZBVZeroBubble", 2),
+    },
+)
 
 
 def layer_ranges(layers: int, stages: int) -> list[range]:

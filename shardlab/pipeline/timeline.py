@@ -26,14 +26,25 @@ from dataclasses import dataclass, replace
 
 __all__ = ["KINDS", "Action", "bubble", "formula", "record", "replay"]
 
-KINDS = {
-    "F": "forward",
-    "B": "backward (input and weights)",
-    "I": "backward, input part",
-    "W": "backward, weight part",
-}
-"""What an :class:`Action`'s kind means: ``F`` forward, ``B`` a whole backward, ``I`` and
-``W`` its input and weight parts (zero-bubble schedules)."""
+
+class _Table(dict):
+    """A dict with a docstring of its own (what its API entry shows)."""
+
+    def __init__(self, doc: str, entries: dict):
+        super().__init__(entries)
+        self.__doc__ = doc
+
+
+KINDS = _Table(
+    "What an :class:`Action`'s kind means: ``F`` forward, ``B`` a whole backward, ``I`` and "
+    "``W`` its input and weight parts (zero-bubble schedules).",
+    {
+        "F": "forward",
+        "B": "backward (input and weights)",
+        "I": "backward, input part",
+        "W": "backward, weight part",
+    },
+)
 
 
 @dataclass(frozen=True)
