@@ -304,23 +304,29 @@ def test_all_to_all_splits_are_the_bytes_handed_each_rank(ranks_for):
         me = this_rank().rank
         send = [(me + s) % 3 for s in range(world)]  # rows for each rank: uneven
         recv = [(r + me) % 3 for r in range(world)]
+        try:  # torch 2.11's gloo has no all_to_all of lists (every rank raises, no message)
+            dist.all_to_all([torch.empty(1)] * world, [torch.ones(1)] * world)
+            lists = True
+        except RuntimeError:
+            lists = False
         with shardlab.trace() as t:
             out = torch.empty(sum(recv), 2)
             dist.all_to_all_single(out, torch.ones(sum(send), 2), recv, send)
             dist.all_to_all_single(torch.empty(6), torch.ones(6))  # even: 2 each
-            outs = [torch.empty(3) for r in range(world)]  # gloo: equal sizes only
-            dist.all_to_all(outs, [torch.ones(3) for _ in range(world)])
+            if lists:
+                outs = [torch.empty(3) for r in range(world)]  # gloo: equal sizes only
+                dist.all_to_all(outs, [torch.ones(3) for _ in range(world)])
             y = funcol.all_to_all_single(torch.ones(sum(send), 2), recv, send, this_rank().mesh)
             float(y.sum())
             dist.all_reduce(torch.ones(1))
-        return [(e.kind, e.bytes, e.splits) for e in t.events]
+        return lists, [(e.kind, e.bytes, e.splits) for e in t.events]
 
-    for me, events in enumerate(ranks_for(world).run(body)):
+    for me, (lists, events) in enumerate(ranks_for(world).run(body)):
         uneven = tuple((me + s) % 3 * 8 for s in range(world))
         assert events == [
             ("all_to_all", sum(uneven), uneven),
             ("all_to_all", 24, (8, 8, 8)),
-            ("all_to_all", 36, (12, 12, 12)),
+            *([("all_to_all", 36, (12, 12, 12))] if lists else []),
             ("all_to_all", sum(uneven), uneven),
             ("all_reduce", 4, None),
         ]
