@@ -132,11 +132,6 @@ def replay(actions, events=()) -> list[Action]:
         ideal = pipeline.replay(actions, trace.events)
         pipeline.bubble(ideal)                     # the idle share of the ranks' time
     """
-    by_rank = defaultdict(list)
-    for a in actions:
-        by_rank[a.rank].append(a)
-    for acts in by_rank.values():
-        acts.sort(key=lambda a: a.start)
     # message (sender, receiver) -> its sends' and recvs' real times, in order
     sends, recvs = defaultdict(list), defaultdict(list)
     for e in sorted(events, key=lambda e: (e.rank, e.seq)):
@@ -152,7 +147,6 @@ def replay(actions, events=()) -> list[Action]:
     for lst in arrivals.values():
         lst.sort()
     order = sorted(actions, key=lambda a: a.start)  # a message's sender comes first
-    t0 = order[0].start if order else 0.0
     done: dict[int, list[tuple[float, float]]] = defaultdict(list)  # (real end, new end)
     clock: dict[int, float] = defaultdict(float)
     seen: dict[int, int] = defaultdict(int)
@@ -174,7 +168,6 @@ def replay(actions, events=()) -> list[Action]:
         clock[a.rank] = new.end
         done[a.rank].append((a.end, new.end))
         out.append(new)
-    del t0
     return sorted(out, key=lambda a: (a.rank, a.start))
 
 

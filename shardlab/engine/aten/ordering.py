@@ -13,7 +13,7 @@ mirror piece of the result), then the pieces are put back in reverse rank order
 ``sort`` of a 1-D tensor cut along its only dim (:func:`sort_1d`), a sample sort::
 
     1. each rank sorts its block (stable: equal values in index order)
-    2. p - 1 regular samples per rank, one all-gather        ``sort.samples``
+    2. p - 1 regular samples per rank and their indices, all-gathered ``sort.samples``
     3. p - 1 splitters (every rank picks the same); each element's bucket
     4. one all-gather of the p x p bucket counts              ``sort.counts``
     5. each element to its bucket's rank once, point to point ``sort.exchange``
@@ -47,7 +47,7 @@ from shardlab.trace import label
 aten = torch.ops.aten
 
 
-def _cut_once(layout, mesh, dims) -> dict | None:
+def _cut_once(layout, dims) -> dict | None:
     """dim -> the one mesh dim (of more than one rank) cutting it in blocks; None when
     a dim is cut twice or strided."""
     out = {}
@@ -64,7 +64,7 @@ def flip(x, dims):
     """``flip(x, dims)`` along cut dims; NotImplemented where a dim is cut twice."""
     lay = c.without_partial(x._layout)
     mesh = x.device_mesh
-    cut = _cut_once(lay, mesh, dims)
+    cut = _cut_once(lay, dims)
     if cut is None:
         return NotImplemented
     x = c.reduced(x, "flip.partial")
@@ -118,15 +118,15 @@ def _exchanged(x, m, descending):
     start = x._layout.local_offset(me)[0]
     v, i = _ordered(block, torch.arange(start, start + block.shape[0]), descending)  # 1.
     n = v.shape[0]
-    pick = torch.tensor([(j * n) // p for j in range(1, p)], dtype=torch.int64)
-    valid = torch.full((p - 1,), n > 0, dtype=torch.bool)
-    mine = (v[pick.clamp(max=max(n - 1, 0))] if n else v.new_zeros(p - 1),
-            i[pick.clamp(max=max(n - 1, 0))] if n else pick, valid)  # fmt: skip
+    pick = torch.tensor([(j * n) // p for j in range(1, p)], dtype=torch.int64)  # < n
+    none = torch.full((p - 1,), -1, dtype=torch.int64)  # an empty block: index -1, no sample
+    mine = (v[pick], i[pick]) if n else (v.new_zeros(p - 1), none)
     got = [[torch.empty_like(t) for _ in range(p)] for t in mine]
-    with label("sort.samples"):  # 2.
+    with label("sort.samples"):  # 2. values and their indices
         for out, t in zip(got, mine):
             collectives.all_gather(out, t.contiguous(), group)
-    sv, si, ok = (torch.cat(g) for g in got)
+    sv, si = (torch.cat(g) for g in got)
+    ok = si >= 0
     sv, si = _ordered(sv[ok], si[ok], descending)  # 3. every rank alike
     k = sv.shape[0]
     at = torch.tensor([(j * k) // p for j in range(1, p)], dtype=torch.int64)
