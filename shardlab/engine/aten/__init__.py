@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     fft,
     foreach,
     indexing,
+    linalg,
     moments,
     prims,
     reductions,
