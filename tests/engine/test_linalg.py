@@ -121,3 +121,93 @@ def test_linalg_on_rows_equals_one_device_with_one_all_gather(ranks_for, world):
                 assert len(gathers) == 1 and gathers[0][1] == "svd.tsqr", (name, gathers)
             else:
                 assert [b for b, _ in gathers] == [want], (name, gathers, want)
+
+
+def test_other_layouts_and_arguments(ranks_for):
+    """lstsq with B a vector, B cut otherwise (moved to A's rows first), A of lower rank
+    (torch's minimum-norm solution and rank); qr 'complete' of a wide matrix; the rows cut
+    on a 2x2 mesh (the other mesh dim Replicate); ``solve_triangular`` with the triangular
+    matrix whole and B cut along its free dim (no message, forward and backward); and a
+    matrix cut along its columns, left to the fallback: equal to torch each time."""
+
+    def body():
+        from torch.distributed.tensor import Replicate, Shard
+
+        import shardlab
+
+        mesh = shardlab.this_rank().mesh
+        gen = torch.Generator().manual_seed(3)
+        out = {}
+
+        def rows(t, sizes=(3, 0, 4, 2)):
+            return shardlab.distribute(t, mesh, [Shard(t.ndim - 2)], [list(sizes)])
+
+        a = torch.randn(9, 3, dtype=torch.float64, generator=gen)
+        b = torch.randn(9, dtype=torch.float64, generator=gen)
+        with shardlab.gathers("raise"):
+            got = torch.linalg.lstsq(
+                rows(a), shardlab.distribute(b, mesh, [Shard(0)], [[3, 0, 4, 2]])
+            )
+        out["lstsq vector"] = torch.allclose(
+            got.solution.full_tensor(), torch.linalg.lstsq(a, b).solution
+        )
+        bm = torch.randn(9, 2, dtype=torch.float64, generator=gen)
+        with shardlab.gathers("raise"):
+            got = torch.linalg.lstsq(rows(a), rows(bm, (1, 5, 1, 2)))
+        out["lstsq B moved"] = torch.allclose(
+            got.solution.full_tensor(), torch.linalg.lstsq(a, bm).solution
+        )
+        low = a[:, :2] @ torch.randn(2, 3, dtype=torch.float64, generator=gen)  # rank 2
+        with shardlab.gathers("raise"):
+            got = torch.linalg.lstsq(rows(low), rows(bm))
+        want = torch.linalg.lstsq(low, bm)
+        out["lstsq rank 2"] = torch.allclose(got.solution.full_tensor(), want.solution) and int(
+            got.rank.full_tensor()) == int(want.rank) == 2  # fmt: skip
+        w = torch.randn(3, 6, dtype=torch.float64, generator=gen)
+        with shardlab.gathers("raise"):
+            q, r = torch.linalg.qr(rows(w, (1, 0, 2, 0)), mode="complete")
+        qq, rr = torch.linalg.qr(w, mode="complete")
+        out["qr complete wide"] = torch.allclose(q.full_tensor(), qq) and torch.allclose(
+            r.full_tensor(), rr
+        )
+        m2 = shardlab.this_rank().mesh_for((2, 2))
+        x = shardlab.distribute(a, m2, [Shard(0), Replicate()], [[4, 5], None]).requires_grad_(True)
+        ref = a.clone().requires_grad_(True)
+        with shardlab.gathers("raise"), shardlab.trace() as t:
+            q, r = torch.linalg.qr(x)
+            ((q * q.detach()).sum() + r.sum()).backward()
+        qq, rr = torch.linalg.qr(ref)
+        ((qq * qq.detach()).sum() + rr.sum()).backward()
+        out["qr 2x2 mesh"] = (
+            torch.allclose(q.full_tensor(), qq)
+            and torch.allclose(r.full_tensor(), rr)
+            and torch.allclose(x.grad.full_tensor(), ref.grad)
+        )
+        tri = torch.randn(4, 4, dtype=torch.float64, generator=gen).triu() + 4 * torch.eye(
+            4, dtype=torch.float64
+        )
+        for left, dim, shape in ((True, 1, (4, 7)), (False, 0, (7, 4))):
+            bb = torch.randn(shape, dtype=torch.float64, generator=gen)
+            tx = shardlab.distribute(tri, mesh, [Replicate()]).requires_grad_(True)
+            bx = shardlab.distribute(bb, mesh, [Shard(dim)], [[2, 0, 4, 1]]).requires_grad_(True)
+            tr, br = tri.clone().requires_grad_(True), bb.clone().requires_grad_(True)
+            with shardlab.gathers("raise"), shardlab.trace() as t:
+                y = torch.linalg.solve_triangular(tx, bx, upper=True, left=left)
+            sent = len(t.events)
+            with shardlab.gathers("raise"):
+                (y * y.detach()).sum().backward()
+            yr = torch.linalg.solve_triangular(tr, br, upper=True, left=left)
+            (yr * yr.detach()).sum().backward()
+            out[f"solve_triangular left={left}"] = (
+                sent == 0 and torch.allclose(y.full_tensor(), yr)
+                and torch.allclose(bx.grad.full_tensor(), br.grad)
+                and torch.allclose(tx.grad.full_tensor(), tr.grad)
+            )  # fmt: skip
+        col = shardlab.distribute(a.T.contiguous(), mesh, [Shard(1)], [[3, 0, 4, 2]])
+        with pytest.warns(shardlab.GatherWarning):
+            s = torch.linalg.svdvals(col)
+        out["columns: the fallback"] = torch.allclose(s.full_tensor(), torch.linalg.svdvals(a.T))
+        return out
+
+    for out in ranks_for(4).run(body):
+        assert all(out.values()), out
