@@ -127,8 +127,9 @@ def test_other_layouts_and_arguments(ranks_for):
     """lstsq with B a vector, B cut otherwise (moved to A's rows first), A of lower rank
     (torch's minimum-norm solution and rank); qr 'complete' of a wide matrix; the rows cut
     on a 2x2 mesh (the other mesh dim Replicate); ``solve_triangular`` with the triangular
-    matrix whole and B cut along its free dim (no message, forward and backward); and a
-    matrix cut along its columns, left to the fallback: equal to torch each time."""
+    matrix whole and B cut along its free dim (no message, forward and backward); svd and
+    pinv of a matrix cut along its columns (through its transpose: one all-gather each,
+    forward and backward), and its qr, left to the fallback: equal to torch each time."""
 
     def body():
         from torch.distributed.tensor import Replicate, Shard
@@ -203,10 +204,34 @@ def test_other_layouts_and_arguments(ranks_for):
                 and torch.allclose(bx.grad.full_tensor(), br.grad)
                 and torch.allclose(tx.grad.full_tensor(), tr.grad)
             )  # fmt: skip
-        col = shardlab.distribute(a.T.contiguous(), mesh, [Shard(1)], [[3, 0, 4, 2]])
-        with pytest.warns(shardlab.GatherWarning):
-            s = torch.linalg.svdvals(col)
-        out["columns: the fallback"] = torch.allclose(s.full_tensor(), torch.linalg.svdvals(a.T))
+        at = a.T.contiguous()  # (3, 9) cut along its columns: svd and pinv through A^T
+        col = shardlab.distribute(at, mesh, [Shard(1)], [[3, 0, 4, 2]]).requires_grad_(True)
+        ref = at.clone().requires_grad_(True)
+        with shardlab.gathers("raise"), shardlab.trace() as t:
+            u, s, vh = torch.linalg.svd(col, full_matrices=False)
+            p = torch.linalg.pinv(col)
+        uu, ss, vv = torch.linalg.svd(ref, full_matrices=False)
+        d = torch.sign((u.full_tensor().detach() * uu.detach()).sum(0))
+        u, vh = u * d, vh * d.unsqueeze(-1)  # the gauge: U's columns aligned with torch's
+        ws = [torch.randn(v.shape, dtype=torch.float64, generator=gen) for v in (uu, ss, vv)]
+        pp = torch.linalg.pinv(ref)
+        with shardlab.gathers("raise"):
+            (sum((v * w).sum() for v, w in zip((u, s, vh), ws)) + (p * p.detach()).sum()).backward()
+        (sum((v * w).sum() for v, w in zip((uu, ss, vv), ws)) + (pp * pp.detach()).sum()).backward()
+        out["columns: svd, pinv"] = (
+            all(
+                torch.allclose(x.full_tensor(), y) for x, y in ((u, uu), (s, ss), (vh, vv), (p, pp))
+            )
+            and torch.allclose(col.grad.full_tensor(), ref.grad)
+            and [e.label for e in t.events if e.kind == "all_gather"] == ["svd.tsqr", "pinv.tsqr"]
+            and [type(q).__name__ + str(getattr(q, "dim", "")) for q in p.placements] == ["Shard0"]
+        )
+        with pytest.warns(shardlab.GatherWarning):  # qr of a column-cut matrix: the fallback
+            q, r = torch.linalg.qr(shardlab.distribute(at, mesh, [Shard(1)], [[3, 0, 4, 2]]))
+        qq, rr = torch.linalg.qr(at)
+        out["columns: qr, the fallback"] = torch.allclose(q.full_tensor(), qq) and torch.allclose(
+            r.full_tensor(), rr
+        )
         return out
 
     for out in ranks_for(4).run(body):

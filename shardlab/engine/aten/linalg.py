@@ -1,48 +1,33 @@
-"""Dense linear algebra on a matrix cut along its rows: TSQR, one all-gather of small factors.
+"""Dense linear algebra on a matrix cut along its rows (or its columns): on :mod:`.tsqr`.
 
-``A`` (..., M, n) real, its row dim (-2) cut in blocks by one mesh dim (every other mesh dim
-Replicate; the batch dims whole). TSQR (:func:`tsqr`)::
+Each rule is taken only when ``A`` is cut so (else ``NotImplemented``: the batched rule when
+only batch dims are cut, or the whole-tensor fallback, which gathers and says so):
 
-    A (9, 3) rows cut [4, 3, 2] over 3 ranks, k = min(M, n) = 3
-      rank 0: A_0 (4, 3) = Q_0 (4, 3) R_0 (3, 3)      k_0 = min(4, 3) = 3
-      rank 1: A_1 (3, 3) = Q_1 (3, 3) R_1 (3, 3)      k_1 = 3
-      rank 2: A_2 (2, 3) = Q_2 (2, 2) R_2 (2, 3)      k_2 = 2   (an empty block: 0 rows)
+- ``linalg_qr`` (modes reduced and r; complete when M <= n): ``Q`` cut like ``A``, ``R``
+  Replicate, torch's signs (:mod:`.tsqr`, step 4);
+- ``_linalg_svd`` (not ``full_matrices`` when M > n): ``U_s, S, Vh = svd(R)``, ``U = Q U_s``
+  cut like ``A``, ``S`` and ``Vh`` Replicate (svdvals, matrix_rank, cond, matrix_norm 'nuc'
+  and 2 reach it). The singular values are those of ``R``; the singular vectors are unique
+  up to the sign of each pair, and torch says they differ across devices: with R's signs
+  LAPACK's, they are torch's where its gesdd takes its QR path (M >= 11 n / 6), else they
+  may differ by those signs;
+- ``linalg_pinv`` (not hermitian): ``Vh^H diag(1/S) U^H``, torch's cutoff on S, cut along
+  its columns as ``A`` along its rows;
+- ``linalg_lstsq`` (CPU, driver gelsy, torch's default there), ``B`` moved to ``A``'s rows
+  if cut otherwise: ``lstsq(R_s, stack of Q_i^T B_i)`` with the same driver and rcond, the
+  same least-squares problem (``blockdiag(Q_i)`` has orthonormal columns: the same
+  minimum-norm solution and rank), Replicate, residuals as gelsy gives them (none);
+- ``A`` cut along its columns, for svd and pinv: ``A^T`` is cut along its rows (each block
+  transposed, no message), ``svd(A) = svd(A^T)^T``: ``U`` Replicate, ``Vh`` cut along its
+  columns; ``pinv(A) = pinv(A^T)^T`` cut along its rows;
+- ``linalg_solve_triangular`` with the triangular matrix whole and ``B`` cut along the dim
+  it does not solve along (its columns when ``left``, else its rows): each rank its block,
+  no message (the backward of ``qr`` solves so).
 
-1. each rank: ``Q_i, R_i = qr(A_i)`` (reduced), ``k_i = min(m_i, n)``, no message;
-2. ONE all-gather over the cutting mesh dim of each rank's ``R_i`` (k_i x n), with, in the
-   same buffer, the rows of ``Q_i`` among the first ``k`` global rows (for the signs, 4.)
-   and what a rule adds (``lstsq``: ``Q_i^T B_i``, k_i x nrhs); each padded to the longest
-   rank's, the sizes being known from the layout;
-3. every rank alike: ``Q_s, R = qr(R_s)``, ``R_s`` the stack of the ``R_i`` (K x n,
-   K = sum k_i); this rank's block of ``Q`` is ``Q_i @ Q_s[its k_i rows]`` (m_i x k);
-4. the signs. Householder QR is unique up to the signs of R's diagonal; LAPACK's choice
-   depends on the whole matrix. Householder QR of ``A U`` (U upper triangular) takes the
-   same reflectors as that of ``A``, so LAPACK's ``Q`` is that of ``Q_tsqr``, whose
-   Householder QR is ``Q_tsqr = Q_lapack S``, S diagonal +-1; S follows from the top
-   k x k block of ``Q_tsqr`` alone, by an LU in which each pivot takes the sign LAPACK's
-   reflector would (:func:`_signs`; Ballard et al.'s Householder reconstruction). Then
-   ``Q = Q_tsqr S``, ``R = S R_tsqr``: torch's own factors, to rounding. (Not when a
-   Householder step meets an exactly zero column below its diagonal besides the last
-   step of a matrix with M <= n, as an already triangular block: LAPACK then keeps the
-   sign, this takes the other.)
-
-Rules on it, each taken only when ``A`` is cut so (else ``NotImplemented``: the batched
-rule when only batch dims are cut, or the whole-tensor fallback): ``linalg_qr`` (modes
-reduced and r; complete when M <= n), ``Q`` cut like ``A``, ``R`` Replicate;
-``_linalg_svd`` (not ``full_matrices`` when M > n): ``U_s, S, Vh = svd(R)``, ``U`` =
-``Q @ U_s`` cut like ``A``, ``S`` and ``Vh`` Replicate (svdvals, matrix_rank, cond,
-matrix_norm 'nuc' / 2 reach it); ``linalg_pinv`` (not hermitian): ``Vh^H diag(1/S) U^H``
-with torch's cutoff on S, cut along its columns as ``A`` along its rows; ``linalg_lstsq``
-(CPU, driver gelsy, torch's default there) with ``B`` cut like ``A``'s rows: the solution of
-``lstsq(R_s, stack of Q_i^T B_i)``, the same least-squares problem (``blockdiag(Q_i)`` has
-orthonormal columns), Replicate. And ``linalg_solve_triangular`` with the triangular
-matrix whole and ``B`` cut along the dim it does not solve along: each rank its block, no
-message (the backward of QR solves so). Every decision reads global shapes and layouts.
-
-Messages: the one all-gather of step 2 per call (``<op>.tsqr``): per rank
-``k_i n + t_i k_i (+ k_i nrhs)`` numbers, padded to the largest, times the batch.
-Backward: autograd's formula for each op, on ShardTensors (products contracting the cut
-dim sum by one all-reduce).
+Every decision reads global shapes and layouts. Messages: the one all-gather of TSQR per
+call (``lstsq``: and ``B``'s move, when cut otherwise). Backward: autograd's formula for each
+op, on ShardTensors (products contracting the cut dim sum by one all-reduce), no whole-tensor
+gather.
 """
 
 from __future__ import annotations
@@ -50,114 +35,16 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from shardlab.comm import collectives
 from shardlab.engine import _common as c
 from shardlab.engine.aten import batched
+from shardlab.engine.aten.tsqr import TSQR, row_cut
+from shardlab.engine.aten.tsqr import layout_like as _layout
 from shardlab.engine.meta import meta_call
 from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout
-from shardlab.trace import label
 
 aten = torch.ops.aten
-
-_REAL = (torch.float32, torch.float64)
-
-
-def row_cut(a) -> int | None:
-    """The one mesh dim (of more than one rank) cutting ``a``'s row dim in blocks, every
-    other mesh dim Replicate; else None."""
-    if type(a) is not c.ShardTensor or a.ndim < 2 or a.dtype not in _REAL:
-        return None
-    if 0 in (a.shape[-2], a.shape[-1]):
-        return None
-    lay, found = a._layout, None
-    for m, p in enumerate(lay.placements):
-        if isinstance(p, Shard) and p.dim == a.ndim - 2 and found is None:
-            found = m
-        elif not isinstance(p, Replicate):
-            return None
-    if found is None or lay.mesh_shape[found] == 1 or not lay.is_block(a.ndim - 2):
-        return None
-    return found
-
-
-def _signs(top, last_kept):
-    """LAPACK's diagonal signs S of the Householder QR of an orthonormal ``Q`` from its top
-    k x k block ``top`` (..., k, k): the LU of ``top - S``, each S_j = -sign(pivot) as
-    ``dlarfg`` takes it (+ for the last step of a matrix with M <= n: nothing below)."""
-    a = top.clone()
-    k = a.shape[-1]
-    s = a.new_empty(a.shape[:-1])
-    for j in range(k):
-        piv = a[..., j, j]
-        sj = torch.where(piv >= 0, -1.0, 1.0).to(a.dtype)
-        s[..., j] = -sj if last_kept and j == k - 1 else sj
-        a[..., j, j] = piv - s[..., j]
-        if j + 1 < k:
-            lower = a[..., j + 1 :, j] / a[..., j, j].unsqueeze(-1)
-            a[..., j + 1 :, j + 1 :] -= lower.unsqueeze(-1) * a[..., j, j + 1 :].unsqueeze(-2)
-    return s
-
-
-class TSQR:
-    """Steps 1-4 on this rank. ``q_i`` (m_i x k_i), ``q_s`` this rank's rows of Q_s
-    (k_i x k), ``r`` (k x n), ``r_s`` (K x n) and ``extra``: the stacks of the added
-    pieces (K x cols each), all local tensors."""
-
-    def __init__(self, a, m, name, extra=(), signs=True):
-        mesh = a.device_mesh
-        p, me = mesh.shape[m], c.me(mesh)[m]
-        sizes = a._layout.shard_sizes(m)
-        big_m, n = a.shape[-2], a.shape[-1]
-        batch = tuple(a.shape[:-2])
-        k = min(big_m, n)
-        ks = [min(s, n) for s in sizes]
-        starts = [sum(sizes[:q]) for q in range(p)]
-        ts = [max(0, min(k - starts[q], sizes[q])) if signs else 0 for q in range(p)]
-        cols = [e.shape[-1] for e in extra]
-        q_i, r_i = torch.linalg.qr(a._local_tensor)  # 1.
-        mine = [r_i, q_i[..., : ts[me], :], *(q_i.mT @ e for e in extra)]
-        lens = [kq * n + ts[q] * kq + kq * sum(cols) for q, kq in enumerate(ks)]
-        flat = torch.cat([t.reshape(*batch, -1) for t in mine], -1)
-        flat = torch.nn.functional.pad(flat, (0, max(lens) - flat.shape[-1])).contiguous()
-        if p > 1:  # 2. the one all-gather
-            got = [torch.empty_like(flat) for _ in range(p)]
-            with label(f"{name}.tsqr"):
-                collectives.all_gather(got, flat, mesh.get_group(m))
-        else:
-            got = [flat]
-        parts = []
-        for q, kq in enumerate(ks):
-            shapes = [(kq, n), (ts[q], kq), *((kq, w) for w in cols)]
-            at, out = 0, []
-            for r, w in shapes:
-                out.append(got[q][..., at : at + r * w].reshape(*batch, r, w))
-                at += r * w
-            parts.append(out)
-        self.r_s = torch.cat([pt[0] for pt in parts], -2)
-        self.extra = [torch.cat([pt[2 + j] for pt in parts], -2) for j in range(len(extra))]
-        q_s, r = torch.linalg.qr(self.r_s)  # 3.
-        offs = [sum(ks[:q]) for q in range(p)]
-        if signs:  # 4.
-            top = torch.cat([pt[1] @ q_s[..., o : o + kq, :] for pt, o, kq in
-                             zip(parts, offs, ks)], -2)  # fmt: skip
-            s = _signs(top, big_m <= n)
-            q_s, r = q_s * s.unsqueeze(-2), r * s.unsqueeze(-1)
-        self.q_i, self.q_s, self.r = q_i, q_s[..., offs[me] : offs[me] + ks[me], :], r
-
-    def q(self, right=None):
-        """This rank's block of ``Q`` (m_i x k), or of ``Q @ right``."""
-        return self.q_i @ (self.q_s if right is None else self.q_s @ right)
-
-
-def _layout(a, shape, cut_dim=None, m=None) -> ShardLayout:
-    """Replicate, or cut along ``cut_dim`` by mesh dim ``m`` as ``a``'s rows."""
-    places = [Replicate()] * len(a._layout.mesh_shape)
-    sizes = [None] * len(places)
-    if cut_dim is not None:
-        places[m], sizes[m] = Shard(cut_dim), a._layout.sizes_arg(m)
-    return ShardLayout.build(tuple(shape), a._layout.mesh_shape, places, sizes)
 
 
 def _args(func, args, kwargs):
@@ -193,17 +80,36 @@ def qr(func, args, kwargs):
     return c.wrap(t.q(), mesh, _layout(a, shape_q, a.ndim - 2, m)), r
 
 
+def _oriented(a):
+    """``(A, its mesh dim, False)`` for ``A`` cut along its rows; ``(A^T, mesh dim, True)``
+    for ``A`` cut along its columns (each block transposed, no message); else None."""
+    m = row_cut(a)
+    if m is not None:
+        return a, m, False
+    if type(a) is not c.ShardTensor or a.ndim < 2 or not a._layout.is_block():
+        return None
+    lay, swap = a._layout, {a.ndim - 1: a.ndim - 2, a.ndim - 2: a.ndim - 1}
+    places = [Shard(swap.get(p.dim, p.dim)) if isinstance(p, Shard) else p for p in lay.placements]
+    shape = (*a.shape[:-2], a.shape[-1], a.shape[-2])
+    sizes = [lay.sizes_arg(j) for j in range(len(places))]
+    at = c.wrap(
+        a._local_tensor.mT, a.device_mesh, ShardLayout.build(shape, lay.mesh_shape, places, sizes)
+    )
+    m = row_cut(at)
+    return None if m is None else (at, m, True)
+
+
 @register(aten._linalg_svd.default)
 def svd(func, args, kwargs):
     a, kw = args[0], _args(func, args, kwargs)
-    m = row_cut(a)
-    if m is None or kw["driver"] is not None:
+    got = _oriented(a)
+    if got is None or kw["driver"] is not None:
         return NotImplemented
-    big_m, n = a.shape[-2], a.shape[-1]
+    rows, m, flip = got
     full, uv = kw["full_matrices"], kw["compute_uv"]
-    if uv and full and big_m > n:
-        return NotImplemented  # U would be M x M: the fallback
-    t = TSQR(a, m, "svd", signs=uv)  # (the signs: torch's U where it takes the QR path)
+    if uv and full and rows.shape[-2] > rows.shape[-1]:
+        return NotImplemented  # U (or Vh) would be M x M: the fallback
+    t = TSQR(rows, m, "svd", signs=uv)  # (the signs: torch's U where it takes the QR path)
     metas = meta_call(func, args, kwargs)
     mesh = a.device_mesh
     if not uv:
@@ -211,11 +117,13 @@ def svd(func, args, kwargs):
         return tuple(c.wrap(v, mesh, _layout(a, o.shape)) for v, o in
                      zip((s.new_empty(0), s, s.new_empty(0)), metas))  # fmt: skip
     u_s, s, vh = torch.linalg.svd(t.r, full_matrices=full)
-    return (
-        c.wrap(t.q(u_s), mesh, _layout(a, metas[0].shape, a.ndim - 2, m)),
-        c.wrap(s, mesh, _layout(a, metas[1].shape)),
-        c.wrap(vh, mesh, _layout(a, metas[2].shape)),
-    )
+    if flip:  # A^T = U' S Vh': A = Vh'^T S U'^T
+        u = c.wrap(vh.mT, mesh, _layout(a, metas[0].shape))
+        vh = c.wrap(t.q(u_s).mT, mesh, _layout(a, metas[2].shape, a.ndim - 1, m))
+    else:
+        u = c.wrap(t.q(u_s), mesh, _layout(a, metas[0].shape, a.ndim - 2, m))
+        vh = c.wrap(vh, mesh, _layout(a, metas[2].shape))
+    return u, c.wrap(s, mesh, _layout(a, metas[1].shape)), vh
 
 
 def _whole(t):
@@ -229,11 +137,12 @@ def _whole(t):
 @register(aten.linalg_pinv.atol_rtol_tensor, aten.linalg_pinv.atol_rtol_float)
 def pinv(func, args, kwargs):
     a, kw = args[0], _args(func, args, kwargs)
-    m = row_cut(a)
+    got = _oriented(a)
     atol, rtol = _whole(kw["atol"]), _whole(kw["rtol"])
-    if m is None or kw["hermitian"] or NotImplemented in (atol, rtol):
+    if got is None or kw["hermitian"] or NotImplemented in (atol, rtol):
         return NotImplemented
-    t = TSQR(a, m, "pinv", signs=False)
+    rows, m, flip = got
+    t = TSQR(rows, m, "pinv", signs=False)
     u_s, s, vh = torch.linalg.svd(t.r, full_matrices=False)
     dbl = dict(dtype=torch.float64, device=s.device)
     eps = torch.finfo(a.dtype).eps * max(a.shape[-2], a.shape[-1])  # torch's get_atol_rtol
@@ -245,8 +154,10 @@ def pinv(func, args, kwargs):
     rtol = torch.as_tensor(rtol, **dbl)
     tol = torch.maximum(atol.unsqueeze(-1), rtol.unsqueeze(-1) * s[..., :1])
     inv = torch.where(s > tol, s.reciprocal(), torch.zeros((), dtype=s.dtype)).to(a.dtype)
-    block = (vh.mH * inv.unsqueeze(-2)) @ t.q(u_s).mH  # (n, m_i)
+    block = (vh.mH * inv.unsqueeze(-2)) @ t.q(u_s).mH  # (n, m_i) of pinv(rows)
     shape = meta_call(func, args, kwargs).shape
+    if flip:  # pinv(A) = pinv(A^T)^T, cut along its rows as A along its columns
+        return c.wrap(block.mT, a.device_mesh, _layout(a, shape, a.ndim - 2, m))
     return c.wrap(block, a.device_mesh, _layout(a, shape, a.ndim - 1, m))
 
 
