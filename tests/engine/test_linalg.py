@@ -37,7 +37,7 @@ def _tsqr_bytes(sizes, m, n, batch, signs=True, extra=0):
     for s in sizes:
         kq = min(s, n)
         t = max(0, min(k - start, s)) if signs else 0
-        lens.append(kq * n + t * kq + kq * extra)
+        lens.append(kq * n + t * kq + (kq + 1) * extra)
         start += s
     b = 1
     for d in batch:
@@ -101,8 +101,9 @@ def _body(seed, world):
         batch, m, n, sizes = _case(rng, world, tall_only=True)
         g = torch.randn(*batch, m, n, dtype=torch.float64, generator=gen)
         rhs = torch.randn(*batch, m, rng.randint(1, 3), dtype=torch.float64, generator=gen)
-        check("lstsq", lambda a, b: (torch.linalg.lstsq(a, b).solution,), g, sizes, extra=rhs,
-              signs=False)  # fmt: skip
+        driver = rng.choice([None, "gels", "gelsd", "gelss"])
+        fn = lambda a, b, d=driver: tuple(torch.linalg.lstsq(a, b, driver=d))[:2]  # noqa: E731
+        check(f"lstsq {driver}", fn, g, sizes, extra=rhs, signs=False)  # (and its residuals)
         check("matrix_rank", lambda a, b: (torch.linalg.matrix_rank(a),), g, sizes, grad=False)
         check("cond", lambda a, b: (torch.linalg.cond(a),), g, sizes)
         check("nuc", lambda a, b: (torch.linalg.matrix_norm(a, "nuc"),), g, sizes)

@@ -13,10 +13,12 @@ only batch dims are cut, or the whole-tensor fallback, which gathers and says so
   may differ by those signs;
 - ``linalg_pinv`` (not hermitian): ``Vh^H diag(1/S) U^H``, torch's cutoff on S, cut along
   its columns as ``A`` along its rows;
-- ``linalg_lstsq`` (CPU, driver gelsy, torch's default there), ``B`` moved to ``A``'s rows
-  if cut otherwise: ``lstsq(R_s, stack of Q_i^T B_i)`` with the same driver and rcond, the
-  same least-squares problem (``blockdiag(Q_i)`` has orthonormal columns: the same
-  minimum-norm solution and rank), Replicate, residuals as gelsy gives them (none);
+- ``linalg_lstsq`` (CPU, each driver), ``B`` moved to ``A``'s rows if cut otherwise:
+  ``lstsq(R_s, stack of Q_i^T B_i)`` with the same driver and rcond, the same least-squares
+  problem (``blockdiag(Q_i)`` has orthonormal columns: the same minimum-norm solution and
+  rank), Replicate. Residuals where torch gives them (M > n, not gelsy, full rank):
+  ``|R_s x - C_s|^2`` plus the part of ``B`` outside ``Q``'s columns, summed in the same
+  all-gather;
 - ``A`` cut along its columns, for svd and pinv: ``A^T`` is cut along its rows (each block
   transposed, no message), ``svd(A) = svd(A^T)^T``: ``U`` Replicate, ``Vh`` cut along its
   columns; ``pinv(A) = pinv(A^T)^T`` cut along its rows;
@@ -161,12 +163,15 @@ def pinv(func, args, kwargs):
     return c.wrap(block, a.device_mesh, _layout(a, shape, a.ndim - 1, m))
 
 
+_DRIVERS = (None, "gelsy", "gels", "gelsd", "gelss")  # torch's CPU drivers
+
+
 @register(aten.linalg_lstsq.default)
 def lstsq(func, args, kwargs):
     a, kw = args[0], _args(func, args, kwargs)
     b = kw["b"]
     m = row_cut(a)
-    if m is None or kw["driver"] not in (None, "gelsy") or a.device.type != "cpu":
+    if m is None or kw["driver"] not in _DRIVERS or a.device.type != "cpu":
         return NotImplemented
     if type(b) is not c.ShardTensor or b.dtype != a.dtype or b.device_mesh != a.device_mesh:
         return NotImplemented
@@ -181,8 +186,16 @@ def lstsq(func, args, kwargs):
     rhs = b._local_tensor.unsqueeze(-1) if vector else b._local_tensor
     t = TSQR(a, m, "lstsq", extra=(rhs,), signs=False)
     out = torch.linalg.lstsq(t.r_s, t.extra[0], rcond=kw["rcond"], driver=kw["driver"])
-    sol = out.solution.squeeze(-1) if vector else out.solution
-    outs = (sol, out.residuals, out.rank, out.singular_values)  # alike on every rank
+    sol, res = out.solution, out.residuals
+    big_m, n = a.shape[-2], a.shape[-1]
+    if big_m > n and kw["driver"] not in (None, "gelsy"):  # torch's residuals: when full rank
+        if kw["driver"] == "gels" or bool((out.rank == n).all()):  # (alike on every rank)
+            res = (t.r_s @ sol - t.extra[0]).square().sum(-2) + t.rest[0]
+        else:
+            res = res.new_empty(0)
+    if vector:
+        sol = sol.squeeze(-1)  # (the residuals keep their one column, as torch's)
+    outs = (sol, res, out.rank, out.singular_values)  # alike on every rank
     return tuple(c.wrap(v, a.device_mesh, _layout(a, v.shape)) for v in outs)
 
 

@@ -11,8 +11,9 @@ Replicate; the batch dims whole: :func:`row_cut`). :class:`TSQR`::
 1. each rank: ``Q_i, R_i = qr(A_i)`` (reduced), ``k_i = min(m_i, n)``, no message;
 2. ONE all-gather over the cutting mesh dim of each rank's ``R_i`` (k_i x n), with, in the
    same buffer, the ``t_i`` rows of ``Q_i`` among the first ``k`` global rows (for the
-   signs, 4.) and what a rule adds (``lstsq``: ``Q_i^T B_i``, k_i x nrhs); each padded to
-   the longest rank's, the sizes being known from the layout;
+   signs, 4.) and what a rule adds (``lstsq``: ``Q_i^T B_i``, k_i x nrhs, and the squared
+   norms of ``B_i - Q_i Q_i^T B_i`` by column, 1 x nrhs); each padded to the longest
+   rank's, the sizes being known from the layout;
 3. every rank alike: ``Q_s, R = qr(R_s)``, ``R_s`` the stack of the ``R_i`` (K x n,
    K = sum k_i); this rank's block of ``Q`` is ``Q_i @ Q_s[its k_i rows]`` (m_i x k);
 4. the signs. Householder QR is unique up to the signs of R's diagonal; LAPACK's choice
@@ -27,7 +28,7 @@ Replicate; the batch dims whole: :func:`row_cut`). :class:`TSQR`::
    sign, this takes the other; nor where a pivot is zero to rounding.)
 
 Messages: the one all-gather of step 2 (``<op>.tsqr``): per rank
-``k_i n + t_i k_i (+ k_i nrhs)`` numbers, padded to the largest, times the batch.
+``k_i n + t_i k_i (+ (k_i + 1) nrhs)`` numbers, padded to the largest, times the batch.
 The rules on it: :mod:`.linalg`.
 """
 
@@ -82,8 +83,10 @@ def _signs(top, last_kept):
 
 class TSQR:
     """Steps 1-4 on this rank. ``q_i`` (m_i x k_i), ``q_s`` this rank's rows of Q_s
-    (k_i x k), ``r`` (k x n), ``r_s`` (K x n) and ``extra``: the stacks of the added
-    pieces (K x cols each), all local tensors."""
+    (k_i x k), ``r`` (k x n), ``r_s`` (K x n), ``extra``: the stacks of the added
+    pieces' projections ``Q_i^T e_i`` (K x cols each), and ``rest``: the squared norms of
+    what the projections leave, ``|e_i - Q_i Q_i^T e_i|^2`` by column, summed over the
+    ranks (cols each), all local tensors."""
 
     def __init__(self, a, m, name, extra=(), signs=True):
         mesh = a.device_mesh
@@ -97,8 +100,10 @@ class TSQR:
         ts = [max(0, min(k - starts[q], sizes[q])) if signs else 0 for q in range(p)]
         cols = [e.shape[-1] for e in extra]
         q_i, r_i = torch.linalg.qr(a._local_tensor)  # 1.
-        mine = [r_i, q_i[..., : ts[me], :], *(q_i.mT @ e for e in extra)]
-        lens = [kq * n + ts[q] * kq + kq * sum(cols) for q, kq in enumerate(ks)]
+        proj = [q_i.mT @ e for e in extra]  # and what is left of e: its squares, by column
+        rest = [(e - q_i @ pe).square().sum(-2, keepdim=True) for e, pe in zip(extra, proj)]
+        mine = [r_i, q_i[..., : ts[me], :], *proj, *rest]
+        lens = [kq * n + ts[q] * kq + (kq + 1) * sum(cols) for q, kq in enumerate(ks)]
         flat = torch.cat([t.reshape(*batch, -1) for t in mine], -1)
         flat = torch.nn.functional.pad(flat, (0, max(lens) - flat.shape[-1])).contiguous()
         if p > 1:  # 2. the one all-gather
@@ -109,7 +114,7 @@ class TSQR:
             got = [flat]
         parts = []
         for q, kq in enumerate(ks):
-            shapes = [(kq, n), (ts[q], kq), *((kq, w) for w in cols)]
+            shapes = [(kq, n), (ts[q], kq), *((kq, w) for w in cols), *((1, w) for w in cols)]
             at, out = 0, []
             for r, w in shapes:
                 out.append(got[q][..., at : at + r * w].reshape(*batch, r, w))
@@ -117,6 +122,8 @@ class TSQR:
             parts.append(out)
         self.r_s = torch.cat([pt[0] for pt in parts], -2)
         self.extra = [torch.cat([pt[2 + j] for pt in parts], -2) for j in range(len(extra))]
+        self.rest = [sum(pt[2 + len(extra) + j] for pt in parts).squeeze(-2)
+                     for j in range(len(extra))]  # fmt: skip
         q_s, r = torch.linalg.qr(self.r_s)  # 3.
         offs = [sum(ks[:q]) for q in range(p)]
         if signs:  # 4.
