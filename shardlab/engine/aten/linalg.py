@@ -8,9 +8,9 @@ only batch dims are cut, or the whole-tensor fallback, which gathers and says so
 - ``_linalg_svd`` (not ``full_matrices`` when M > n): ``U_s, S, Vh = svd(R)``, ``U = Q U_s``
   cut like ``A``, ``S`` and ``Vh`` Replicate (svdvals, matrix_rank, cond, matrix_norm 'nuc'
   and 2 reach it). The singular values are those of ``R``; the singular vectors are unique
-  up to the sign of each pair, and torch says they differ across devices: with R's signs
-  LAPACK's, they are torch's where its gesdd takes its QR path (M >= 11 n / 6), else they
-  may differ by those signs;
+  up to the sign of each pair, and torch says they differ across devices. With R's signs
+  LAPACK's, they were torch's wherever its gesdd first QRs the matrix (every M > n tried, at
+  torch 2.13 on CPU); a square matrix's may differ by those signs (no test relies on it);
 - ``linalg_pinv`` (not hermitian): ``Vh^H diag(1/S) U^H``, torch's cutoff on S, cut along
   its columns as ``A`` along its rows;
 - ``linalg_lstsq`` (CPU, each driver), ``B`` moved to ``A``'s rows if cut otherwise:
@@ -29,7 +29,8 @@ only batch dims are cut, or the whole-tensor fallback, which gathers and says so
 Every decision reads global shapes and layouts. Messages: the one all-gather of TSQR per
 call (``lstsq``: and ``B``'s move, when cut otherwise). Backward: autograd's formula for each
 op, on ShardTensors (products contracting the cut dim sum by one all-reduce), no whole-tensor
-gather.
+gather. Not communication-avoiding there: torch's ``pinv_backward`` (pinv's, and lstsq's
+for ``A``) forms M x M products, whose ``mm`` moves factors as large as ``A``.
 """
 
 from __future__ import annotations
