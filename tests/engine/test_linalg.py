@@ -125,7 +125,7 @@ def test_linalg_on_rows_equals_one_device_with_one_all_gather(ranks_for, world):
 
 
 def test_other_layouts_and_arguments(ranks_for):
-    """lstsq with B a vector, B cut otherwise (moved to A's rows first), A of lower rank
+    """lstsq with B a vector, B cut otherwise (moved to A's rows first), a plain B, A of lower rank
     (torch's minimum-norm solution and rank); qr 'complete' of a wide matrix; the rows cut
     on a 2x2 mesh (the other mesh dim Replicate); ``solve_triangular`` with the triangular
     matrix whole and B cut along its free dim (no message, forward and backward); svd and
@@ -154,6 +154,12 @@ def test_other_layouts_and_arguments(ranks_for):
             got.solution.full_tensor(), torch.linalg.lstsq(a, b).solution
         )
         bm = torch.randn(9, 2, dtype=torch.float64, generator=gen)
+        with shardlab.gathers("raise"):
+            got = torch.linalg.lstsq(rows(a), bm, driver="gels")  # a plain B: its rows sliced
+        want = torch.linalg.lstsq(a, bm, driver="gels")
+        out["lstsq plain B"] = all(
+            torch.allclose(x.full_tensor(), y) for x, y in zip(got[:2], want[:2])
+        )
         with shardlab.gathers("raise"):
             got = torch.linalg.lstsq(rows(a), rows(bm, (1, 5, 1, 2)))
         out["lstsq B moved"] = torch.allclose(

@@ -13,7 +13,8 @@ only batch dims are cut, or the whole-tensor fallback, which gathers and says so
   torch 2.13 on CPU); a square matrix's may differ by those signs (no test relies on it);
 - ``linalg_pinv`` (not hermitian): ``Vh^H diag(1/S) U^H``, torch's cutoff on S, cut along
   its columns as ``A`` along its rows;
-- ``linalg_lstsq`` (CPU, each driver), ``B`` moved to ``A``'s rows if cut otherwise:
+- ``linalg_lstsq`` (CPU, each driver), ``B`` moved to ``A``'s rows if cut otherwise (a
+  plain ``B``: each rank its rows, no message):
   ``lstsq(R_s, stack of Q_i^T B_i)`` with the same driver and rcond, the same least-squares
   problem (``blockdiag(Q_i)`` has orthonormal columns: the same minimum-norm solution and
   rank), Replicate. Residuals where torch gives them (M > n, not gelsy, full rank):
@@ -174,17 +175,23 @@ def lstsq(func, args, kwargs):
     m = row_cut(a)
     if m is None or kw["driver"] not in _DRIVERS or a.device.type != "cpu":
         return NotImplemented
-    if type(b) is not c.ShardTensor or b.dtype != a.dtype or b.device_mesh != a.device_mesh:
+    if not isinstance(b, torch.Tensor) or b.dtype != a.dtype:
+        return NotImplemented
+    plain = type(b) is not c.ShardTensor  # (a plain B, whole on every rank: its rows sliced)
+    if not plain and b.device_mesh != a.device_mesh:
         return NotImplemented
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and tuple(b.shape) == tuple(a.shape[:-1]))
     if not vector and tuple(b.shape[:-2]) != tuple(a.shape[:-2]):
         return NotImplemented  # (broadcast batch dims: the fallback)
     rows = b.ndim - 1 if vector else b.ndim - 2
-    if any(isinstance(p, Shard) and p.dim != rows for p in b._layout.placements):
+    if not plain and any(isinstance(p, Shard) and p.dim != rows for p in b._layout.placements):
         return NotImplemented
     want = _layout(a, b.shape, rows, m)  # B's rows cut as A's
-    b = c.move(c.reduced(b, "lstsq.partial"), want, "lstsq.align")
-    rhs = b._local_tensor.unsqueeze(-1) if vector else b._local_tensor
+    if plain:
+        block = b[tuple(slice(lo, hi) for lo, hi in want.local_box(c.me(a.device_mesh)))]
+    else:
+        block = c.move(c.reduced(b, "lstsq.partial"), want, "lstsq.align")._local_tensor
+    rhs = block.unsqueeze(-1) if vector else block
     t = TSQR(a, m, "lstsq", extra=(rhs,), signs=False)
     out = torch.linalg.lstsq(t.r_s, t.extra[0], rcond=kw["rcond"], driver=kw["driver"])
     sol, res = out.solution, out.residuals
