@@ -58,9 +58,7 @@ def _body(seed, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_allclose_and_equal_are_torchs_answer_with_one_byte_per_cutting_mesh_dim(
-    ranks_for, world
-):
+def test_allclose_and_equal_are_torchs_answer_with_one_byte_per_cutting_mesh_dim(ranks_for, world):
     for bad, counts in ranks_for(world).run(_body, world, world):
         assert not bad, bad[:3]
         assert all(events == [("all_reduce", 1)] * cut for cut, events in counts), counts

@@ -3,6 +3,7 @@ in :mod:`shardlab.engine.registry`); :mod:`shardlab.engine.dispatch` routes ever
 through them."""
 
 from . import (  # noqa: F401  (each module registers its rules)
+    addbmm,
     agreement,
     batched,
     diagonal,
