@@ -18,5 +18,6 @@ from . import (  # noqa: F401  (each module registers its rules)
     scatter,
     selection,
     shaping,
+    take,
     views,
 )
