@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     foreach,
     hashing,
     indexing,
+    inplace_views,
     moments,
     prims,
     reductions,
