@@ -3,17 +3,22 @@ in :mod:`shardlab.engine.registry`); :mod:`shardlab.engine.dispatch` routes ever
 through them."""
 
 from . import (  # noqa: F401  (each module registers its rules)
+    addbmm,
+    agreement,
     batched,
     diagonal,
     dim_ops,
     fft,
     foreach,
+    hashing,
     indexing,
+    inplace_views,
     moments,
     prims,
     reductions,
     scatter,
     selection,
     shaping,
+    take,
     views,
 )
