@@ -45,7 +45,7 @@ from shardlab.layout import chunk_sizes
 
 WORLD = 4  # try 2 or 3
 RESUME_WORLD = 3 if WORLD != 3 else 2  # the run resumes on another number of ranks
-STEPS, SAVE_AT, BATCH, SIZE = 16, 8, 4, 32
+STEPS, SAVE_AT, BATCH, SIZE = 10, 5, 4, 32
 
 
 def rows_for(world):

@@ -26,6 +26,7 @@ from shardlab.ops import (  # noqa: F401  (each module registers its handlers)
     pad,
     pool,
     quantile,
+    random_like,
     unfold,
 )
 from shardlab.ops.registry import register, rule, supported

@@ -203,8 +203,16 @@ def test_failure_while_others_wait_in_collective(ranks_for):
     assert set(ranks.pids).isdisjoint(pids)
 
 
-def test_mismatched_collective_times_out_and_recovers(ranks_for):
-    ranks = ranks_for(2)
+@pytest.fixture(scope="module")
+def quick_timeout():
+    """Two ranks whose collectives time out after 3 s (the session's pools wait 10 s):
+    started once for this module, for the test that waits for a timeout."""
+    with Ranks(2, timeout=3.0) as ranks:
+        yield ranks
+
+
+def test_mismatched_collective_times_out_and_recovers(quick_timeout):
+    ranks = quick_timeout
 
     def only_rank_0_reduces():
         if this_rank().rank == 0:

@@ -3,12 +3,16 @@ in :mod:`shardlab.engine.registry`); :mod:`shardlab.engine.dispatch` routes ever
 through them."""
 
 from . import (  # noqa: F401  (each module registers its rules)
+    addbmm,
+    agreement,
     batched,
     diagonal,
     dim_ops,
     fft,
     foreach,
+    hashing,
     indexing,
+    inplace_views,
     linalg,
     moments,
     prims,
@@ -16,5 +20,6 @@ from . import (  # noqa: F401  (each module registers its rules)
     scatter,
     selection,
     shaping,
+    take,
     views,
 )

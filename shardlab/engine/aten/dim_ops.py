@@ -111,9 +111,9 @@ def _cutting(layout, dims) -> list[int]:
     return [m for m, p in enumerate(layout.placements) if isinstance(p, Shard) and p.dim in dims]
 
 
-def _whole_on(layout: ShardLayout, dims) -> ShardLayout:
+def _whole_on(layout: ShardLayout, dims, cut_first: bool = False) -> ShardLayout:
     """Cheapest layout where no mesh dim cuts ``dims`` (a cut moves to another dim, or
-    that mesh dim becomes Replicate)."""
+    that mesh dim becomes Replicate; ``cut_first``: a moved cut wins a tie)."""
     cut = _cutting(layout, dims)
     candidates = [moves.replicated(layout, cut)]
     free = [
@@ -141,6 +141,8 @@ def _whole_on(layout: ShardLayout, dims) -> ShardLayout:
                 )
             except ValueError:
                 pass
+    if cut_first:
+        candidates = candidates[1:] + candidates[:1]
     return moves.cheapest(layout, candidates)
 
 

@@ -1,4 +1,5 @@
-"""In-place views of a ShardTensor: ``x.transpose_(0, 1)``, ``t_``, ``squeeze_``, ``unsqueeze_``.
+"""In-place views of a ShardTensor: ``x.transpose_(0, 1)``, ``t_``, ``squeeze_``, ``unsqueeze_``
+(and ``resize_as_`` / ``resize_`` to the shape it has: itself).
 
 torch changes the tensor's own sizes and strides (no data moves); its RNN kernels do it
 to their output with ``batch_first=True`` (``nn.GRU`` and ``nn.RNN``). On a ShardTensor:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from shardlab.engine.registry import register
 from shardlab.tensor.api import ShardTensor
 
 aten = torch.ops.aten
@@ -52,4 +54,17 @@ def inplace_view(func, args, kwargs, dispatch):
     if tuple(x.shape) != tuple(view.shape):  # never: the same op, twice
         raise RuntimeError(f"shardlab internal error: {func} gave {tuple(x.shape)}")
     x._local_tensor, x._spec, x._layout = view._local_tensor, view._spec, view._layout  # 3.
+    return x
+
+
+@register(aten.resize_as_.default, aten.resize_.default)
+def resize(func, args, kwargs):
+    """``x.resize_as_(other)`` / ``x.resize_(size)`` to the shape ``x`` has: torch's no-op
+    (the same sizes, strides and data), so ``x`` itself on every rank, no message. A new
+    shape (new elements of no value, a global storage reshaped) or a ``memory_format``:
+    the next stage."""
+    x, to = args[0], args[1]
+    shape = tuple(to.shape) if func is aten.resize_as_.default else tuple(to)
+    if type(x) is not ShardTensor or shape != tuple(x.shape) or len(args) > 2 or kwargs:
+        return NotImplemented
     return x

@@ -1,5 +1,5 @@
 """Results whose size depends on the values: ``nonzero`` (``argwhere``), ``masked_select``
-and ``x[mask]``.
+and ``x[mask]``; and ``masked_scatter``, which reads as many values as there are hits.
 
 Their natural result is a tensor cut in uneven pieces, which is what a ShardTensor is for.
 With the rows (dim 0) cut in blocks by one mesh dim, row-major order is rank order, so
@@ -16,7 +16,10 @@ each rank's own hits, in order, are its piece of the result::
 3. the result: cut along its dim 0 in those sizes on that mesh dim, Replicate elsewhere
 
 Messages: one all-gather of an int64 per rank (and ``masked_select``'s mask aligned to
-``x``, a slice when it is whole). Any other layout: the next stage (a gather, said).
+``x``, a slice when it is whole; a mask that broadcasts, its part of ``x``'s layout). A
+tensor of two or more dims cut along another dim by one mesh dim: that cut first moves
+to the rows, one all-to-all (``masked_select.align``). Any other layout: the next stage
+(a gather, said).
 """
 
 from __future__ import annotations
@@ -80,22 +83,116 @@ def _nonzero(func, args, kwargs):
     return _cut_result(local, x, m, "nonzero")
 
 
+def _rows_of(x, name):
+    """``x`` cut along its rows in blocks, and the mesh dim that cuts them: as it is, or
+    (one mesh dim of more than one rank cutting another dim) that cut moved to the rows
+    in chunks, one all-to-all said as ``<name>.align``; (None, None) for anything else."""
+    lay, mesh = x._layout, x.device_mesh
+    m = _rows_cut(lay, mesh) if x.ndim else None
+    if m is not None:
+        return x, m
+    big = [k for k, p in enumerate(lay.placements) if isinstance(p, Shard) and mesh.shape[k] > 1]
+    if x.ndim < 2 or len(big) != 1 or any(isinstance(p, Partial) for p in lay.placements):
+        return None, None
+    m = big[0]
+    places = [Shard(0) if k == m else Replicate() for k in range(mesh.ndim)]
+    rows = ShardLayout.build(tuple(x.shape), tuple(mesh.shape), places, None)
+    return c.move(x, rows, f"{name}.align"), m
+
+
+def _mask_like(mask, x, name):
+    """``mask`` (its shape broadcasting to ``x``'s) laid out as its part of ``x``'s layout."""
+    mesh = x.device_mesh
+    want = restrict(x._layout, tuple(mask.shape), [False] * mesh.ndim)
+    mask = mask if isinstance(mask, c.ShardTensor) else c.as_shard(mask, mesh)
+    return c.move(mask, want, f"{name}.align")
+
+
 @register(aten.masked_select.default)
 def _masked_select(func, args, kwargs):
     x, mask = args[0], args[1]
-    if not isinstance(x, c.ShardTensor) or kwargs or tuple(mask.shape) != tuple(x.shape):
-        return NotImplemented  # (a mask that broadcasts x: not here)
-    m = _rows_cut(x._layout, x.device_mesh) if x.ndim else None
+    if not isinstance(x, c.ShardTensor) or kwargs:
+        return NotImplemented
+    if c.broadcast_shapes([tuple(x.shape), tuple(mask.shape)]) != tuple(x.shape):
+        return NotImplemented  # (x broadcast to the mask's shape: not here)
+    x, m = _rows_of(x, "masked_select")
+    if m is None:
+        return NotImplemented
+    mask = _mask_like(mask, x, "masked_select")
+    local = func(x._local_tensor, mask._local_tensor)  # 1. this block's hits, in order
+    return _cut_result(local, x, m, "masked_select")
+
+
+@register(aten.masked_scatter.default, aten.masked_scatter_.default)
+def _masked_scatter(func, args, kwargs):
+    """``x.masked_scatter(mask, source)``: the hits take ``source``'s elements in row-major
+    order, so with the rows cut in blocks rank r's hits take the ``n_r`` elements after
+    those of the ranks before it: one all-gather of the counts (step 2), then this rank's
+    hits filled from its slice of ``source`` (whole on every rank: a plain one is, a
+    ShardTensor one is made so, said). ``x`` cut along another dim: its cut moved to the
+    rows and back (an all-to-all each way); the result in ``x``'s layout."""
+    x, mask, source = args[0], args[1], args[2]
+    if not isinstance(x, c.ShardTensor) or kwargs or mask.dtype != torch.bool:
+        return NotImplemented
+    if c.broadcast_shapes([tuple(x.shape), tuple(mask.shape)]) != tuple(x.shape):
+        return NotImplemented
+    rows, m = _rows_of(x, "masked_scatter")
     if m is None:
         return NotImplemented
     mesh = x.device_mesh
-    want = restrict(x._layout, tuple(mask.shape), [False] * mesh.ndim)
-    if isinstance(mask, c.ShardTensor):
-        mask = c.move(mask, want, "masked_select.align")
-    else:
-        mask = c.move(c.as_shard(mask, mesh), want, "masked_select.align")
-    local = func(x._local_tensor, mask._local_tensor)  # 1. this block's hits, in order
-    return _cut_result(local, x, m, "masked_select")
+    mask = _mask_like(mask, rows, "masked_scatter")
+    hits = mask._local_tensor.expand(rows._local_tensor.shape)
+    count = torch.tensor([int(hits.sum())], dtype=torch.int64, device=hits.device)
+    counts = [torch.empty_like(count) for _ in range(mesh.shape[m])]
+    with label("masked_scatter.counts"):
+        collectives.all_gather(counts, count, mesh.get_group(m))
+    start = int(sum(int(n) for n in counts[: c.me(mesh)[m]]))
+    if int(sum(int(n) for n in counts)) > source.numel():  # (every rank: the same counts)
+        raise RuntimeError("Number of elements of source < number of ones in mask")
+    if isinstance(source, c.ShardTensor):
+        source = c.replicated(source, "masked_scatter.align")._local_tensor
+    piece = source.reshape(-1)[start : start + int(count)]
+    inplace = func is aten.masked_scatter_.default
+    block = rows._local_tensor if inplace and rows is x else rows._local_tensor.clone()
+    block.masked_scatter_(hits, piece)
+    out = c.wrap(block, mesh, rows._layout)
+    if rows is not x:  # (back to x's own cut)
+        out = c.move(out, x._layout, "masked_scatter.align")
+    if inplace and out is not x:
+        x._local_tensor.copy_(out._local_tensor)
+        return x
+    return x if inplace else out
+
+
+@register(aten.masked_scatter_backward.default)
+def _masked_scatter_backward(func, args, kwargs):
+    """The gradient of ``masked_scatter``'s ``source`` (shape ``sizes``): the hits of
+    ``grad`` in row-major order, then zeros. Rank r's hits are elements ``[start_r,
+    start_r + n_r)`` of it (one all-gather of the counts), so each rank writes its own
+    into zeros and the result is Partial(sum) on the mesh dim cutting the rows (summed
+    where it is read: as many elements as ``source``)."""
+    grad, mask, sizes = args[0], args[1], list(args[2])
+    if not isinstance(grad, c.ShardTensor) or kwargs:
+        return NotImplemented
+    rows, m = _rows_of(grad, "masked_scatter_backward")
+    if m is None:
+        return NotImplemented
+    mesh = grad.device_mesh
+    mask = _mask_like(mask, rows, "masked_scatter_backward")
+    hits = rows._local_tensor[mask._local_tensor.expand(rows._local_tensor.shape)]
+    count = torch.tensor([hits.numel()], dtype=torch.int64, device=hits.device)
+    counts = [torch.empty_like(count) for _ in range(mesh.shape[m])]
+    with label("masked_scatter_backward.counts"):
+        collectives.all_gather(counts, count, mesh.get_group(m))
+    start = int(sum(int(n) for n in counts[: c.me(mesh)[m]]))
+    numel = 1
+    for n in sizes:
+        numel *= n
+    out = torch.zeros(numel, dtype=hits.dtype, device=hits.device)
+    out[start : start + hits.numel()] = hits[: max(0, numel - start)]
+    places = [Partial() if k == m else Replicate() for k in range(mesh.ndim)]
+    layout = ShardLayout.build(tuple(sizes), tuple(mesh.shape), places, None)
+    return c.wrap(out.view(sizes), mesh, layout)
 
 
 def bool_index(x, mask):

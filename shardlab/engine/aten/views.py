@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from shardlab.engine import _common as c
+from shardlab.engine.aten.dim_ops import _whole_on
 from shardlab.engine.plans import LocalExpand, LocalReshape, LocalSlice, LocalView
 from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
@@ -316,17 +317,11 @@ def _view_as(func, args, kwargs):
     x = args[0]
     if func is aten.view_as_complex.default and any(
         getattr(p, "dim", None) == x.ndim - 1 for p in x._layout.placements
-    ):
+    ):  # the pairs cut apart: the cut moves to another dim (one all-to-all), or, for a
+        # 1-D x (a 0-d result), that mesh dim becomes Replicate (said)
         x = c.move(
             x,
-            moves.replicated(
-                x._layout,
-                [
-                    m
-                    for m, p in enumerate(x._layout.placements)
-                    if getattr(p, "dim", None) == x.ndim - 1
-                ],
-            ),
+            _whole_on(x._layout, [x.ndim - 1], cut_first=True),
             "auto-redistribute for view_as_complex",
         )
     y = func(x._local_tensor)
