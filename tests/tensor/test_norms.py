@@ -94,8 +94,10 @@ def test_norms_on_a_2d_mesh(ranks_for):
 
 
 def test_matrix_norms_and_zero_subgradients(ranks_for):
-    """Norms torch computes by SVD (nuclear, spectral) run on the whole tensor (labelled
-    in the tracer); at zero the 2-norm's gradient is torch's subgradient 0, not nan."""
+    """Norms torch computes by SVD (nuclear, spectral) of a matrix cut along its rows run on
+    TSQR (``engine/aten/linalg.py``: one all-gather of the R factors each, labelled
+    ``svd.tsqr``, no whole-tensor fallback); at zero the 2-norm's gradient is torch's
+    subgradient 0, not nan."""
 
     def body():
         import shardlab
@@ -115,6 +117,7 @@ def test_matrix_norms_and_zero_subgradients(ranks_for):
             distribute(z, this_rank().mesh, [Shard(0)], [3, 0, 2])
         ).sum().full_tensor().backward()
         ok.append(torch.equal(z.grad, torch.zeros_like(z)))
-        return ok, any("whole-tensor fallback" in e.label for e in t.events)
+        tsqr = [e.label for e in t.events if e.kind == "all_gather"]
+        return ok, any("whole-tensor fallback" in e.label for e in t.events), tsqr
 
-    assert ranks_for(3).run(body) == [([True] * 4, True)] * 3
+    assert ranks_for(3).run(body) == [([True] * 4, False, ["svd.tsqr"] * 3)] * 3

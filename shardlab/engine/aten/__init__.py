@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     hashing,
     indexing,
     inplace_views,
+    linalg,
     moments,
     prims,
     reductions,
