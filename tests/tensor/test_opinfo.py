@@ -262,14 +262,15 @@ def _weighted(out, ws, full=lambda t: t):
 
 @pytest.mark.parametrize(
     ("world", "dim"),
-    [pytest.param(1, 0, marks=pytest.mark.more_worlds),
-     pytest.param(1, -1, marks=pytest.mark.more_worlds), (3, 0), (3, -1),
+    [pytest.param(1, 0, marks=pytest.mark.more_worlds), (3, 0), (3, -1),
      pytest.param(4, 0, marks=pytest.mark.more_worlds),
      pytest.param(4, -1, marks=pytest.mark.more_worlds)],
 )  # fmt: skip
 def test_op_db_equals_torch_or_raises_on_every_rank(ranks_for, world, dim):
     """On one rank (every block whole: decisions kept as torch's call on the blocks) each
-    chunk runs twice, the second time on the kept decisions, with the same verdicts."""
+    chunk runs twice, the second time on the kept decisions, with the same verdicts; one
+    rank runs dim 0 only (a cut along any dim of one rank holds the whole tensor: the
+    last dim's run took CI 20-50 s and tested the same layouts)."""
     cases = _cases(dim)
     assert len(cases) > 350
     pool = ranks_for(world)
