@@ -14,19 +14,13 @@ def _body(seed, world):
     import random
 
     import shardlab
-    from shardlab import this_rank
-    from tests.tensor._cases import placements_1d, sizes_for
+    from tests.tensor._cases import meshes_for_world, random_layout, sizes_for
 
     rng = random.Random(seed)
-    meshes = [this_rank().mesh]
-    if world == 4:
-        meshes.append(this_rank().mesh_for((2, 2)))
+    meshes = meshes_for_world(world)
     bad, counts = [], []
     for case in range(8):
-        mesh = meshes[case % len(meshes)]
-        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3)))
-        places = [rng.choice(placements_1d(len(shape))[:-1]) for _ in range(mesh.ndim)]
-        sizes = sizes_for(rng, shape, tuple(mesh.shape), places)
+        mesh, shape, places, sizes = random_layout(rng, meshes, case, most=5)
         gen = torch.Generator().manual_seed(case)
         g = torch.randn(shape, dtype=torch.float64, generator=gen)
         numel = g.numel()

@@ -36,6 +36,24 @@ def sizes_for(rng, shape, mesh_shape, placements):
     return out
 
 
+def meshes_for_world(world: int) -> list:
+    """On the ranks: the 1-D mesh over them, and the 2x2 mesh too where there are 4."""
+    from shardlab import this_rank
+
+    me = this_rank()
+    return [me.mesh] + ([me.mesh_for((2, 2))] if world == 4 else [])
+
+
+def random_layout(rng, meshes, case: int, ndims=(1, 3), most: int = 6):
+    """Case ``case``'s mesh (in turn from ``meshes``), a random shape of ``ndims`` dims of
+    1..``most`` entries, placements (Shard, Replicate) per mesh dim and random sizes:
+    ``(mesh, shape, placements, sizes)`` for ``shardlab.distribute``."""
+    mesh = meshes[case % len(meshes)]
+    shape = tuple(rng.randint(1, most) for _ in range(rng.randint(*ndims)))
+    places = [rng.choice(placements_1d(len(shape))[:-1]) for _ in range(mesh.ndim)]
+    return mesh, shape, places, sizes_for(rng, shape, tuple(mesh.shape), places)
+
+
 def key_variants(g: torch.Tensor, mesh, distribute) -> dict:
     """``g`` (2, 6, 4) cut [4, 2] along dim 1, and one variant per part of a decision's
     key: other sizes, shape, dtype, placement, strides (``distribute``: shardlab's)."""
