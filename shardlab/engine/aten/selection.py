@@ -54,15 +54,21 @@ def _rows_cut(layout, mesh):
     return cut
 
 
+def _counts(n: int, mesh, m: int, name: str, device) -> list[int]:
+    """Every rank's ``n`` along mesh dim ``m``, in rank order: one all-gather of one int64
+    (``<name>.counts``)."""
+    count = torch.tensor([n], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(mesh.shape[m])]
+    with label(f"{name}.counts"):
+        collectives.all_gather(counts, count, mesh.get_group(m))
+    return [int(k) for k in torch.cat(counts).tolist()]
+
+
 def _cut_result(local, x, m, name):
     """``local`` (this rank's hits, in order) as the rows of the global result: the
     sizes from one all-gather of the counts (step 2), cut on mesh dim ``m`` (step 3)."""
     mesh = x.device_mesh
-    count = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
-    counts = [torch.empty_like(count) for _ in range(mesh.shape[m])]
-    with label(f"{name}.counts"):
-        collectives.all_gather(counts, count, mesh.get_group(m))
-    sizes = [int(n) for n in torch.cat(counts).tolist()]
+    sizes = _counts(local.shape[0], mesh, m, name, local.device)
     shape = (sum(sizes), *local.shape[1:])
     places = [Shard(0) if k == m else Replicate() for k in range(mesh.ndim)]
     layout = ShardLayout.build(shape, tuple(mesh.shape), places,
@@ -142,12 +148,9 @@ def _masked_scatter(func, args, kwargs):
     mesh = x.device_mesh
     mask = _mask_like(mask, rows, "masked_scatter")
     hits = mask._local_tensor.expand(rows._local_tensor.shape)
-    count = torch.tensor([int(hits.sum())], dtype=torch.int64, device=hits.device)
-    counts = [torch.empty_like(count) for _ in range(mesh.shape[m])]
-    with label("masked_scatter.counts"):
-        collectives.all_gather(counts, count, mesh.get_group(m))
-    start = int(sum(int(n) for n in counts[: c.me(mesh)[m]]))
-    if int(sum(int(n) for n in counts)) > source.numel():  # (every rank: the same counts)
+    counts = _counts(int(hits.sum()), mesh, m, "masked_scatter", hits.device)
+    count, start = counts[c.me(mesh)[m]], sum(counts[: c.me(mesh)[m]])
+    if sum(counts) > source.numel():  # (every rank: the same counts)
         raise RuntimeError("Number of elements of source < number of ones in mask")
     if isinstance(source, c.ShardTensor):
         source = c.replicated(source, "masked_scatter.align")._local_tensor
@@ -180,11 +183,8 @@ def _masked_scatter_backward(func, args, kwargs):
     mesh = grad.device_mesh
     mask = _mask_like(mask, rows, "masked_scatter_backward")
     hits = rows._local_tensor[mask._local_tensor.expand(rows._local_tensor.shape)]
-    count = torch.tensor([hits.numel()], dtype=torch.int64, device=hits.device)
-    counts = [torch.empty_like(count) for _ in range(mesh.shape[m])]
-    with label("masked_scatter_backward.counts"):
-        collectives.all_gather(counts, count, mesh.get_group(m))
-    start = int(sum(int(n) for n in counts[: c.me(mesh)[m]]))
+    counts = _counts(hits.numel(), mesh, m, "masked_scatter_backward", hits.device)
+    start = sum(counts[: c.me(mesh)[m]])
     numel = 1
     for n in sizes:
         numel *= n
