@@ -61,28 +61,46 @@ def _shardable(x, dim) -> bool:
 def _cases(dim: int) -> tuple:
     """(op index, input, args, kwargs) of the first float64 sample each op can cut at dim
     (seeded: the same samples in every process)."""
+    from unittest import mock
+
+    from torch.testing._internal import common_utils
     from torch.testing._internal.common_methods_invocations import op_db
+    from torch.testing._internal.opinfo import core
 
     torch.manual_seed(0)
     cases = []
-    for i, op in enumerate(op_db):
-        reason = _skip(op)
-        if reason:
-            SKIPPED[op.full_name] = reason
-            continue
-        if torch.float64 not in op.supported_dtypes("cpu"):
-            continue
-        try:
-            samples = op.sample_inputs("cpu", torch.float64, requires_grad=False)
-            for n, s in enumerate(samples):
-                if n > 8:
-                    break
-                if _shardable(s.input, dim):
-                    cases.append((i, s.input, tuple(s.args), dict(s.kwargs)))
-                    break
-        except Exception:  # a sample generator torch itself cannot run here
-            continue
+    # Each sample generator looks for the unittest.TestCase that called it by walking the
+    # stack (inspect.stack(): every frame's module looked up among sys.modules). Under
+    # pytest, deep in a suite that has imported hundreds of modules, that walk was 35-80 s
+    # of this test's 45-90 s. There is no TestCase here: it finds none either way, and the
+    # generators seed themselves the same (torch's SEED), so the samples are the same.
+    with (
+        mock.patch.object(common_utils, "extract_test_fn", lambda: None),
+        mock.patch.object(core, "extract_test_fn", lambda: None),
+    ):
+        for i, op in enumerate(op_db):
+            _sample(op, i, dim, cases)
     return tuple(cases)
+
+
+def _sample(op, i: int, dim: int, cases: list) -> None:
+    """Append op's first float64 sample (of its first nine) that can be cut at dim."""
+    reason = _skip(op)
+    if reason:
+        SKIPPED[op.full_name] = reason
+        return
+    if torch.float64 not in op.supported_dtypes("cpu"):
+        return
+    try:
+        samples = op.sample_inputs("cpu", torch.float64, requires_grad=False)
+        for n, s in enumerate(samples):
+            if n > 8:
+                break
+            if _shardable(s.input, dim):
+                cases.append((i, s.input, tuple(s.args), dict(s.kwargs)))
+                break
+    except Exception:  # a sample generator torch itself cannot run here
+        return
 
 
 def _pack(cases) -> list:
