@@ -1,5 +1,6 @@
 """Random uneven layouts shared by every rank (same seed -> same cases everywhere)."""
 
+import contextlib
 import random
 
 import torch
@@ -66,3 +67,26 @@ def key_variants(g: torch.Tensor, mesh, distribute) -> dict:
             0, 2
         ),
     }
+
+
+@contextlib.contextmanager
+def samples_without_stack_walk():
+    """torch's OpInfo sample generators, without their search for the calling test.
+
+    Each ``op.sample_inputs(...)`` looks for the ``unittest.TestCase`` that called it by
+    walking the stack (``inspect.stack()``: every frame's module looked up among
+    ``sys.modules``). Under pytest, deep in a suite that has imported hundreds of modules,
+    that walk took 35-80 s of the op database's 45-90 s sweeps. There is no TestCase here:
+    the walk finds none either way, and the generators seed themselves the same (torch's
+    ``SEED``), so the samples are the same.
+    """
+    from unittest import mock
+
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.opinfo import core
+
+    with (
+        mock.patch.object(common_utils, "extract_test_fn", lambda: None),
+        mock.patch.object(core, "extract_test_fn", lambda: None),
+    ):
+        yield

@@ -446,8 +446,12 @@ def test_transformers_models_compile_exactly(ranks_for):
             one = step(copy.deepcopy(model), False) if dist.get_rank() == 0 else None
             targets = []  # what aot_eager's forward and backward graphs hold
             # dynamo's nested graph breaks (resume inside the frame that broke: fewer
-            # breaks, as the README advises) change where graphs end, never the values
-            runs = ((_recording_backend(targets), False), ("inductor", False), ("aot_eager", True))
+            # breaks, as the README advises) change where graphs end, never the values.
+            # Inductor: from torch 2.13 tests/tensor/test_messages_in_graphs.py compiles
+            # these three models with it (their messages in the graphs too); before, here.
+            runs = [(_recording_backend(targets), False), ("aot_eager", True)]
+            if not _traceable():
+                runs.insert(1, ("inductor", False))
             for backend, nested in runs:
                 torch._dynamo.reset()
                 with shardlab.patched(), torch._dynamo.config.patch(nested_graph_breaks=nested):
