@@ -183,9 +183,33 @@ def bubble(actions) -> float:
     return 1.0 - busy / (len(ranks) * span) if span > 0 else 0.0
 
 
-def formula(stages: int, microbatches: int) -> float:
-    """The textbook bubble fraction of GPipe and 1F1B, ``(p - 1) / (m + p - 1)`` for ``p``
-    stages (one per rank) and ``m`` micro-batches (backward twice the forward, or any ratio,
-    every stage alike)."""
+def formula(stages: int, microbatches: int, times=None) -> float:
+    """The bubble fraction of GPipe (and, closely, 1F1B) for ``p`` stages (one per rank)
+    and ``m`` micro-batches.
+
+    ``times`` None: every stage alike, the textbook ``(p - 1) / (m + p - 1)`` (backward
+    twice the forward, or any ratio). ``times``: each stage's ``(forward, backward)``
+    seconds for one micro-batch, when the stages are not alike (the first holds the
+    embedding, the last the head and the loss). Then the slowest stage sets the pace::
+
+        span   = sum(f + b over stages) + (m - 1) * (max f + max b)
+        bubble = 1 - m * sum(f + b) / (p * span)
+
+    (the forwards flow down the stages, then the backwards up: each flow takes the sum of
+    one micro-batch's times plus ``m - 1`` times its slowest stage). Equal times give the
+    textbook fraction; unequal ones a larger bubble, never a smaller.
+
+    Example::
+
+        pipeline.formula(4, 8)                                  # 0.2727...
+        pipeline.formula(4, 8, [(1, 2), (1, 2), (1, 2), (1.5, 2.5)])  # 0.3658...
+    """
     p, m = stages, microbatches
-    return (p - 1) / (m + p - 1)
+    if times is None:
+        return (p - 1) / (m + p - 1)
+    times = [(float(f), float(b)) for f, b in times]
+    if len(times) != p:
+        raise ValueError(f"formula: times has {len(times)} stages, stages is {p}")
+    work = sum(f + b for f, b in times)
+    span = work + (m - 1) * (max(f for f, _ in times) + max(b for _, b in times))
+    return 1.0 - m * work / (p * span) if span > 0 else 0.0

@@ -21,6 +21,27 @@ def gpipe(p: int, m: int, f: float = 1.0, b: float = 2.0) -> list[Action]:
     return out
 
 
+def gpipe_of(times, m: int) -> list[Action]:
+    """GPipe with each stage's own (forward, backward) seconds: every action starts when
+    its rank is free and its input has arrived (the previous stage's forward, the next
+    stage's backward), messages free."""
+    p = len(times)
+    end: dict = {}
+    out = []
+    for r, (f, _) in enumerate(times):
+        for i in range(m):
+            start = max(end.get((r, i - 1, "F"), 0.0), end.get((r - 1, i, "F"), 0.0))
+            end[r, i, "F"] = start + f
+            out.append(Action(r, r, i, "F", start, start + f, f))
+    for r in reversed(range(p)):
+        free = end[r, m - 1, "F"]
+        for i in range(m):
+            start = max(free, end.get((r + 1, i, "B"), 0.0))
+            free = end[r, i, "B"] = start + times[r][1]
+            out.append(Action(r, r, i, "B", start, free, times[r][1]))
+    return out
+
+
 def messages(actions) -> list[Event]:
     """The sends and receives GPipe makes: each F's output to the next rank, each B's
     gradient to the previous one; a send posted when its action ends, its recv waited
@@ -47,6 +68,22 @@ def messages(actions) -> list[Event]:
 def test_textbook_gpipe_has_the_formulas_bubble(p, m):
     assert bubble(gpipe(p, m)) == pytest.approx(formula(p, m))
     assert formula(4, 8) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize(
+    "times",
+    [[(1, 2)] * 4, [(1, 2), (1, 2), (1, 2), (1.5, 2.5)], [(2, 1), (0.5, 3), (1, 1)],
+     [(0.1, 0.3), (0.2, 0.1)], [(1, 2)]],
+)  # fmt: skip
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_unequal_stages_have_the_formulas_bubble(times, m):
+    """The slowest stage sets the pace: the formula with each stage's times equals the
+    bubble of GPipe run with them, and is never below the textbook's."""
+    p = len(times)
+    assert bubble(gpipe_of(times, m)) == pytest.approx(formula(p, m, times))
+    assert formula(p, m, times) >= formula(p, m) - 1e-12
+    with pytest.raises(ValueError, match="times has 2 stages, stages is 3"):
+        formula(3, m, [(1, 1), (1, 1)])
 
 
 def test_replay_undoes_a_stretched_wall_clock():
