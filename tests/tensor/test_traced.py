@@ -370,11 +370,13 @@ def test_conv_stack_and_the_tutorial_unet_compile_exactly(ranks_for, world):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [4])
 @pytest.mark.slow
 def test_conv_stack_and_the_tutorial_unet_compile_exactly_with_their_messages(ranks_for, world):
-    """The same inside ``shardlab.messages_in_graphs()``: 3 ranks (a 1-D mesh) and 4 (a 2x2
-    mesh, H and W cut), the halos inside the graphs."""
+    """The same inside ``shardlab.messages_in_graphs()`` on a 2x2 mesh (H and W cut), the
+    halos inside the graphs. (On a 1-D mesh, convolutions' halos in the graphs: the zoo's
+    ResNet and ViT cut over 2 uneven ranks, tests/tensor/test_messages_in_graphs.py; a 3-rank
+    run here took 26 s of CI's time and tested the same.)"""
     if not _traceable():
         pytest.skip("torch < 2.13: each ShardTensor op runs eagerly (traced.py)")
     body = _models_body(_tutorial_unet(), ["aot_eager"], in_graphs=True)
