@@ -195,10 +195,8 @@ def test_transformers_models_compile_with_their_messages(ranks_for):
             # inductor for the two transformers (ResNet's convolutions and norms compile
             # with it in the tutorial U-Net, tests/tensor/test_traced.py: its inductor
             # compile was 33 of this test's 60 s warm, more on CI's cold cache)
-            backends = [_recording_backend(targets := [])]
-            if name != "resnet":
-                backends.insert(0, "inductor")
-            for backend in backends:
+            recording = _recording_backend(targets := [])
+            for backend in ([] if name == "resnet" else ["inductor"]) + [recording]:
                 torch._dynamo.reset()
                 counters.clear()
                 with shardlab.patched(), shardlab.messages_in_graphs():

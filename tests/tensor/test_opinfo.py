@@ -67,28 +67,31 @@ def _cases(dim: int) -> tuple:
     cases = []
     with samples_without_stack_walk():  # (the same samples, 10x faster under pytest)
         for i, op in enumerate(op_db):
-            _sample(op, i, dim, cases)
+            sample = _sample(op, dim)
+            if sample is not None:
+                cases.append((i, *sample))
     return tuple(cases)
 
 
-def _sample(op, i: int, dim: int, cases: list) -> None:
-    """Append op's first float64 sample (of its first nine) that can be cut at dim."""
+def _sample(op, dim: int) -> tuple | None:
+    """(input, args, kwargs) of op's first float64 sample (of its first nine) that can be
+    cut at dim; None if there is none (or the op is skipped, with its reason)."""
     reason = _skip(op)
     if reason:
         SKIPPED[op.full_name] = reason
-        return
+        return None
     if torch.float64 not in op.supported_dtypes("cpu"):
-        return
+        return None
     try:
         samples = op.sample_inputs("cpu", torch.float64, requires_grad=False)
         for n, s in enumerate(samples):
             if n > 8:
                 break
             if _shardable(s.input, dim):
-                cases.append((i, s.input, tuple(s.args), dict(s.kwargs)))
-                break
+                return s.input, tuple(s.args), dict(s.kwargs)
     except Exception:  # a sample generator torch itself cannot run here
-        return
+        pass
+    return None
 
 
 def _pack(cases) -> list:
