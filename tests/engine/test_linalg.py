@@ -233,11 +233,15 @@ def test_other_layouts_and_arguments(ranks_for):
             and [e.label for e in t.events if e.kind == "all_gather"] == ["svd.tsqr", "pinv.tsqr"]
             and [type(q).__name__ + str(getattr(q, "dim", "")) for q in p.placements] == ["Shard0"]
         )
-        with pytest.warns(shardlab.GatherWarning):  # qr of a column-cut matrix: the fallback
+        # qr of a column-cut matrix: moved to its rows (one all-to-all), then TSQR
+        with shardlab.gathers("raise"), shardlab.trace() as t:
             q, r = torch.linalg.qr(shardlab.distribute(at, mesh, [Shard(1)], [[3, 0, 4, 2]]))
         qq, rr = torch.linalg.qr(at)
-        out["columns: qr, the fallback"] = torch.allclose(q.full_tensor(), qq) and torch.allclose(
-            r.full_tensor(), rr
+        labels = {e.label for e in t.events}
+        out["columns: qr, moved to the rows"] = (
+            torch.allclose(q.full_tensor(), qq)
+            and torch.allclose(r.full_tensor(), rr)
+            and labels == {"qr.to_rows", "qr.tsqr"}
         )
         return out
 

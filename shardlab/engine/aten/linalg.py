@@ -41,7 +41,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardlab.engine import _common as c
 from shardlab.engine.aten import batched
-from shardlab.engine.aten.tsqr import TSQR, row_cut
+from shardlab.engine.aten.tsqr import TSQR, row_cut, to_rows
 from shardlab.engine.aten.tsqr import layout_like as _layout
 from shardlab.engine.meta import meta_call
 from shardlab.engine.registry import register
@@ -70,9 +70,12 @@ def qr(func, args, kwargs):
     if got is not NotImplemented:
         return got
     a, mode = args[0], _args(func, args, kwargs)["mode"]
-    m = row_cut(a)
-    if m is None or mode not in ("reduced", "r", "complete"):
+    if mode not in ("reduced", "r", "complete"):
         return NotImplemented
+    got = to_rows(a, "qr.to_rows")  # (cut along its columns: moved to its rows)
+    if got is None:
+        return NotImplemented
+    a, m = got
     big_m, n = a.shape[-2], a.shape[-1]
     if mode == "complete" and big_m > n:
         return NotImplemented  # Q would be M x M: the fallback
@@ -172,9 +175,12 @@ _DRIVERS = (None, "gelsy", "gels", "gelsd", "gelss")  # torch's CPU drivers
 def lstsq(func, args, kwargs):
     a, kw = args[0], _args(func, args, kwargs)
     b = kw["b"]
-    m = row_cut(a)
-    if m is None or kw["driver"] not in _DRIVERS or a.device.type != "cpu":
+    if kw["driver"] not in _DRIVERS or a.device.type != "cpu":
         return NotImplemented
+    got = to_rows(a, "lstsq.to_rows")  # (cut along its columns: moved to its rows)
+    if got is None:
+        return NotImplemented
+    a, m = got
     if not isinstance(b, torch.Tensor) or b.dtype != a.dtype:
         return NotImplemented
     plain = type(b) is not c.ShardTensor  # (a plain B, whole on every rank: its rows sliced)

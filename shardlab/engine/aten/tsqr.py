@@ -63,6 +63,40 @@ def row_cut(a) -> int | None:
     return found
 
 
+def to_rows(a, cause: str):
+    """``a`` cut along its rows (as it is: :func:`row_cut`); or, its batch dims whole and a
+    matrix dim cut otherwise (its columns, both, in strided pieces, a Partial sum too), moved
+    to its rows by the first mesh dim that cut a matrix dim, every other mesh dim Replicate
+    (``cause``: an all-to-all for a cut moved from the columns; a square matrix cut along
+    its columns keeps its sizes): ``(A cut along its rows, the mesh dim)``; else None."""
+    m = row_cut(a)
+    if m is not None:
+        return a, m
+    if type(a) is not c.ShardTensor or a.ndim < 2 or a.dtype not in _REAL:
+        return None
+    if 0 in (a.shape[-2], a.shape[-1]):
+        return None
+    lay, nd = a._layout, a.ndim
+    cuts = [k for k, p in enumerate(lay.placements) if isinstance(p, Shard)]
+    if any(lay.placements[k].dim < nd - 2 for k in cuts):
+        return None  # a batch dim cut: the batched rule's, or the fallback
+    cuts = [k for k in cuts if lay.mesh_shape[k] > 1]
+    if not cuts:
+        return None
+    m, big_m, p = cuts[0], a.shape[-2], lay.mesh_shape[cuts[0]]
+    held = lay.placements[m].dim
+    square_cols = held == nd - 1 and big_m == a.shape[-1] and lay.is_block(held)
+    if (held == nd - 2 and lay.is_block(held)) or square_cols:
+        sizes = list(lay.shard_sizes(m))
+    else:
+        sizes = [big_m // p + (q < big_m % p) for q in range(p)]
+    places = [Replicate()] * len(lay.placements)
+    entry = [None] * len(places)
+    places[m], entry[m] = Shard(nd - 2), sizes
+    want = ShardLayout.build(tuple(a.shape), lay.mesh_shape, places, entry)
+    return c.move(c.reduced(a, cause), want, cause), m
+
+
 def _signs(top, last_kept):
     """LAPACK's diagonal signs S of the Householder QR of an orthonormal ``Q`` from its top
     k x k block ``top`` (..., k, k): the LU of ``top - S``, each S_j = -sign(pivot) as
