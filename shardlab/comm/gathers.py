@@ -65,6 +65,8 @@ def is_gather(src: ShardLayout, dst: ShardLayout, cause: str) -> bool:
     holds whole? (A Partial value summed is no gather: each rank held all of its size.)"""
     if not cause.startswith(_CAUSES) or not dst.is_whole() or src.is_whole():
         return False
+    if 0 in src.global_shape:  # an empty tensor: nothing moves, nothing is held
+        return False
     summed = tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements)
     return not src.replace(placements=summed).is_whole()
 

@@ -92,6 +92,9 @@ def test_is_gather_only_for_a_missing_rule_that_makes_a_cut_tensor_whole():
     assert not is_gather(whole, whole, "whole-tensor fallback for cdist")
     summed = ShardLayout.build((8, 4), (2,), [Partial()])
     assert not is_gather(summed, whole, "whole-tensor fallback for div")  # an all-reduce
+    empty = ShardLayout.build((0, 3), (2,), [Shard(1)], [[1, 2]])
+    empty_whole = ShardLayout.build((0, 3), (2,), [Replicate()])
+    assert not is_gather(empty, empty_whole, "whole-tensor fallback for _linalg_svd")  # (nothing)
 
 
 def test_explain_lists_the_gathers_per_module(ranks_for):

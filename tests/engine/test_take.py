@@ -94,3 +94,76 @@ def test_take_of_a_row_cut_tensor_is_a_partial_sum_and_a_bad_index_raises_everyw
     for exact, placement, events, said in ranks_for(3).run(body):
         assert exact and placement == "Partial(sum)" and events == 0
         assert said == "out of range: tried to access index 12 on a tensor of 12 elements."
+
+
+def _strided_body(seed, world):
+    """``as_strided`` / ``as_strided_copy`` / ``as_strided_scatter`` / ``unfold_copy`` of a
+    cut tensor (contiguous, or a transpose of one: its storage read through its global
+    strides), overlapping windows too: as ``take`` / ``put`` of the storage positions, no
+    message forward; the backward exact; a write into the view reaches the base."""
+    import random
+
+    from torch.distributed.tensor import Replicate
+
+    import shardlab
+    from tests.tensor._cases import meshes_for_world, random_layout
+
+    rng = random.Random(seed)
+    meshes = meshes_for_world(world)
+    bad, counts = [], []
+    for case in range(8):
+        mesh, shape, places, sizes = random_layout(rng, meshes, case, ndims=(2, 3), most=5)
+        gen = torch.Generator().manual_seed(case)
+        g = torch.randn(shape, dtype=torch.float64, generator=gen)
+        transpose = rng.random() < 0.3
+        numel = g.numel()
+        size = (rng.randint(1, 3), rng.randint(1, 3))
+        stride = (rng.randint(0, 3), rng.randint(0, 2))
+        room = numel - 1 - (size[0] - 1) * stride[0] - (size[1] - 1) * stride[1]
+        if room < 0:
+            continue
+        offset = rng.randint(0, room)
+
+        def view(t, tr=transpose, how=(size, stride, offset)):
+            return (t.mT if tr else t).as_strided(*how)
+
+        x = shardlab.distribute(g, mesh, places, sizes).requires_grad_(True)
+        ref = g.clone().requires_grad_(True)
+        w = torch.randn(size, dtype=torch.float64, generator=gen)
+        src = torch.randn(size, dtype=torch.float64, generator=gen)
+        at = offset + torch.arange(size[0])[:, None] * stride[0] + torch.arange(size[1]) * stride[1]
+        once = at.unique().numel() == at.numel()  # (torch writes no position twice)
+        with shardlab.gathers("raise"), shardlab.trace() as t:
+            y = view(x)
+            c = torch.as_strided_copy(x.detach(), size, stride, offset)
+            s = torch.as_strided_scatter(x.detach(), src, size, stride, offset) if once else None
+        counts.append(len(t.events))
+        with shardlab.gathers("raise"):
+            (y * shardlab.distribute(w, mesh, [Replicate()] * mesh.ndim)).sum().backward()
+        want = view(ref)
+        (want * w).sum().backward()
+        ok = torch.allclose(y.full_tensor(), want)
+        ok = ok and torch.equal(c.full_tensor(), torch.as_strided_copy(g, size, stride, offset))
+        if once:
+            want_s = torch.as_strided_scatter(g, src, size, stride, offset)
+            ok = ok and torch.equal(s.full_tensor(), want_s)
+        if not ok:
+            bad.append(("as_strided", shape, places, sizes, size, stride, offset, transpose))
+        if not torch.allclose(x.grad.full_tensor(), ref.grad):
+            bad.append(("as_strided backward", shape, places, sizes, size, stride, offset))
+        if not once:
+            continue  # (a write needs each position once)
+        z, zz = shardlab.distribute(g, mesh, places, sizes), g.clone()
+        with shardlab.gathers("raise"):
+            view(z).mul_(2)
+        view(zz).mul_(2)
+        if not torch.equal(z.full_tensor(), zz):
+            bad.append(("as_strided write", shape, places, sizes, size, stride, offset))
+    return bad, counts
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_as_strided_reads_storage_positions_where_they_lie(ranks_for, world):
+    for bad, counts in ranks_for(world).run(_strided_body, 20 + world, world):
+        assert not bad, bad[:3]
+        assert all(n == 0 for n in counts), counts

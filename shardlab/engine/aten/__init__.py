@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     inplace_views,
     linalg,
     lu,
+    masked_index,
     moments,
     prims,
     reductions,

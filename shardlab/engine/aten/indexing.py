@@ -112,6 +112,9 @@ def _index(func, args, kwargs):
     x = c.reduced(x, "index.partial")
     dims = [d for d, i in enumerate(indices) if i is not None]
     cut = [m for m, p in enumerate(x._layout.placements) if isinstance(p, Shard) and p.dim in dims]
+    flat = _flat_positions(x, indices) if cut else None
+    if flat is not None:  # every dim picked: each rank its own entries, a Partial sum
+        return torch.take(x, flat)
     if cut:
         x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for index")
     loc = [None if i is None else c.local(i) for i in indices]
@@ -159,6 +162,26 @@ def _relabel(lay: ShardLayout, where: dict, shape) -> ShardLayout | None:
     return ShardLayout(tuple(shape), lay.mesh_shape, tuple(places), lay.sizes, atoms, cuts)
 
 
+def _flat_positions(x, indices):
+    """``x[i_0, .., i_{n-1}]`` with a whole integer tensor for every dim of ``x``: the
+    flat (row-major) positions it reads, broadcast, for :func:`.take.take` / ``put``
+    (each rank answers the positions it owns); None otherwise, or for an index out of
+    range (torch's error, from the fallback)."""
+    if len(indices) != x.ndim or x.ndim == 0 or x.numel() == 0:
+        return None
+    if any(i is None or i.dtype not in (torch.int64, torch.int32) for i in indices):
+        return None
+    if any(isinstance(i, c.ShardTensor) and not i._layout.is_whole() for i in indices):
+        return None
+    idx = torch.broadcast_tensors(*[c.local(i).long() for i in indices])
+    flat = torch.zeros_like(idx[0])
+    for i, n in zip(idx, x.shape):
+        if i.numel() and (int(i.max()) >= n or int(i.min()) < -n):
+            return None
+        flat = flat * n + torch.where(i < 0, i + n, i)
+    return flat
+
+
 @register(aten.index_put.default)
 def _index_put(func, args, kwargs):
     """``x.index_put(indices, values, accumulate)`` (``x[idx]``'s gradient is one) with
@@ -171,6 +194,11 @@ def _index_put(func, args, kwargs):
     x, indices, values = args[0], list(args[1]), args[2]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     st = c.ShardTensor
+    flat = _flat_positions(x, indices) if isinstance(x, st) else None
+    if flat is not None and (not isinstance(values, st) or values._layout.is_whole()):
+        if accumulate or flat.unique().numel() == flat.numel():  # every dim picked: each
+            vals = c.local(values).expand(flat.shape).reshape(-1)  # rank writes its own
+            return torch.put(x, flat.reshape(-1), vals, accumulate=bool(accumulate))
     if (
         not isinstance(x, st)
         or not isinstance(values, st)

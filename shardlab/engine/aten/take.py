@@ -127,3 +127,71 @@ class _Owned:
             values = args[2].reshape(-1)[own]
             target.index_put_(tuple(q[own] for q in pos), values, accumulate=accumulate)
         return target
+
+
+def _storage_to_flat(x, idx: torch.Tensor):
+    """Storage positions ``idx`` of ``x`` (its global strides, offset 0, as one device's
+    dense tensor) as row-major flat positions; None unless those strides are dense (a
+    permutation of a contiguous tensor's: each position one element)."""
+    dims = [d for d in range(x.ndim) if x.shape[d] != 1]
+    order = sorted(dims, key=lambda d: -x.stride(d))
+    step = 1
+    for d in reversed(order):
+        if x.stride(d) != step:
+            return None
+        step *= x.shape[d]
+    flat = torch.zeros_like(idx)
+    for d in range(x.ndim):  # row-major: flat = sum coord[d] * prod(shape[d+1:])
+        coord = (idx // x.stride(d)) % x.shape[d] if d in dims else torch.zeros_like(idx)
+        flat = flat * x.shape[d] + coord
+    return flat
+
+
+@register(aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default)
+def as_strided(func, args, kwargs):
+    """``as_strided`` (and ``_copy``) as :func:`take` of the storage positions the view
+    reads, ``as_strided_scatter`` as :func:`put` of ``src`` there: each rank its own
+    positions, no message (the result Partial(sum), as ``take``'s). A write into the view
+    goes back to ``x``: the view summed (ONE all-reduce of its size), each rank writes the
+    positions it owns. Positions read from the
+    global shape and strides (the ShardTensor's, as one device's dense tensor: offset 0),
+    alike on every rank; strides no dense tensor has, or positions past the end (torch's
+    error, from the fallback): ``NotImplemented``."""
+    scatter = func is aten.as_strided_scatter.default
+    names = [a.name for a in func._schema.arguments]
+    kw = dict(zip(names, args)) | kwargs
+    x = kw["self"]
+    size, stride = list(kw["size"]), list(kw["stride"])
+    offset = kw.get("storage_offset")
+    if type(x) is not c.ShardTensor or x.dtype == torch.bool or x.numel() == 0:
+        return NotImplemented
+    if x._layout.is_whole():  # (a view of the block, as one device's: not here)
+        return NotImplemented
+    if len(size) != len(stride) or any(s < 0 for s in stride):
+        return NotImplemented
+    idx = torch.full(size, int(offset or 0), dtype=torch.int64, device=x.device)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (torch.arange(n, device=x.device) * s).reshape(shape)
+    if idx.numel() and int(idx.max()) >= x.numel():
+        return NotImplemented
+    flat = _storage_to_flat(x, idx)
+    if flat is None:
+        return NotImplemented
+    if scatter:
+        src = kw["src"]
+        if tuple(src.shape) != tuple(size) or flat.unique().numel() != flat.numel():
+            return NotImplemented  # (a position written twice: torch's error, every rank)
+        return torch.put(x, flat, src)
+    y = torch.take(x, flat)
+    if func is aten.as_strided.default:  # a view: what is written into it goes back to x
+        block, layout, mesh = x._local_tensor, x._layout, x.device_mesh
+
+        def writeback():
+            whole = c.replicated(y, "as_strided.write back")._local_tensor
+            _Owned(mesh, layout, "put_")((block, flat, whole), {})
+            c.written(x)
+
+        c.with_writeback(y, writeback)
+    return y

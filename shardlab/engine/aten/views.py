@@ -11,13 +11,14 @@ cheapest layout that works, labelled ``auto-redistribute for <op>`` in the trace
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Partial, Shard
 
 from shardlab.engine import _common as c
 from shardlab.engine.aten.dim_ops import _whole_on
 from shardlab.engine.plans import LocalExpand, LocalReshape, LocalSlice, LocalView
 from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
-from shardlab.layout import moves
+from shardlab.layout import ShardLayout, moves
 from shardlab.layout.views import (
     Blocked,
     expand_layout,
@@ -307,9 +308,58 @@ def _unbind(func, args, kwargs):
     x = args[0]
     dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.ndim
     cut = tuple(m for m, p in enumerate(x._layout.placements) if getattr(p, "dim", -1) == dim)
-    if cut:  # every slice is wanted: gather that dim once rather than one row at a time
+    if len(cut) == 1:
+        got = _unbind_where_they_lie(x, dim, cut[0], func is aten.unbind_copy.int)
+        if got is not None:
+            return got
+    if cut:  # (a dim cut twice, or slices with no free dim): gathered once
         x = c.move(x, moves.replicated(x._layout, cut), "auto-redistribute for unbind")
     return [select_of(x, dim, i) for i in range(x.shape[dim])]
+
+
+def _unbind_where_they_lie(x, dim: int, m: int, copy: bool):
+    """``unbind`` along ``dim``, cut by mesh dim ``m``: each slice stays on the rank that
+    holds it, no message. On mesh dim ``m`` a slice is cut along its first dim no other
+    mesh dim cuts, all of it at its owner's coordinate (sizes ``[0, .., n, .., 0]``)::
+
+        x (5, 4) Shard(0) sizes [2, 0, 3]  ->  x[0], x[1]: (4,) Shard(0) sizes [4, 0, 0]
+                                               x[2..4]:    (4,) Shard(0) sizes [0, 0, 4]
+
+    Where no such dim exists (a 1-D x: its slices are numbers), each slice is Partial(sum)
+    on mesh dim ``m``: its value at its owner, zeros at the others (still no message).
+    None for a Partial x (a slice written there would be summed twice)."""
+    lay = x._layout
+    if not lay.is_block():
+        return None
+    keep = [d for d in range(x.ndim) if d != dim]
+    places = [Shard(keep.index(p.dim)) if isinstance(p, Shard) and k != m else p
+              for k, p in enumerate(lay.placements)]  # fmt: skip
+    taken = {p.dim for k, p in enumerate(places) if isinstance(p, Shard) and k != m}
+    free = [e for e in range(len(keep)) if e not in taken]
+    shape = [x.shape[d] for d in keep]
+    coord, sizes = c.me(x.device_mesh), lay.shard_sizes(m)
+    entry = [lay.sizes_arg(k) for k in range(len(places))]
+    if not free:  # (numbers, or every dim cut otherwise): Partial(sum), zeros elsewhere
+        if x.dtype == torch.bool or any(isinstance(p, Partial) for p in places):
+            return None
+        places[m], entry[m] = Partial(), None
+    else:
+        places[m] = Shard(free[0])
+    out = []
+    for q, s in enumerate(sizes):
+        if free:
+            entry[m] = [shape[free[0]] if r == q else 0 for r in range(len(sizes))]
+        y_lay = ShardLayout.build(tuple(shape), lay.mesh_shape, places, entry)
+        for i in range(s):
+            if coord[m] == q:
+                y = x._local_tensor.select(dim, i)
+                y = y.clone() if copy else y
+            elif free:
+                y = x._local_tensor.new_empty(y_lay.local_shape(coord))
+            else:
+                y = x._local_tensor.new_zeros(y_lay.local_shape(coord))
+            out.append(c.wrap(y, x.device_mesh, y_lay))
+    return out
 
 
 @register(aten.view_as_real.default, aten.view_as_complex.default)
