@@ -1,0 +1,101 @@
+"""``segment_reduce`` (``shardlab/engine/aten/segment.py``) and ``histogramdd``
+(``histogram.py``) of data cut along its rows: equal to one device (float64) over random
+uneven and empty pieces, on 1, 3 and 4 ranks; ``segment_reduce`` sends nothing (max / min /
+sum / mean, ``lengths`` or ``offsets``, with and without ``initial``); ``histogramdd`` one
+all-reduce of 2 D numbers per op (the bins' range), counts Partial."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _segments(seed, world):
+    import random
+
+    from torch.distributed.tensor import Shard
+
+    import shardlab
+    from tests.tensor._cases import random_sizes
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    mesh = shardlab.this_rank().mesh
+    bad, sent = [], []
+    for _ in range(12):
+        n = rng.randint(1, 8)
+        shape = (n, *[rng.randint(1, 3) for _ in range(rng.randint(0, 1))])
+        a = torch.randn(shape, generator=g, dtype=torch.float64)
+        cuts = sorted(rng.randint(0, n) for _ in range(rng.randint(0, 3)))
+        lengths = torch.tensor([b - a_ for a_, b in zip([0, *cuts], [*cuts, n])])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        kw = {"lengths": lengths} if rng.random() < 0.5 else {"offsets": offsets}
+        if rng.random() < 0.5:
+            kw["initial"] = rng.choice([0.5, -1.0])
+        reduce = rng.choice(["max", "min", "sum", "mean"])
+        d = rng.randrange(len(shape))
+        x = shardlab.distribute(a, mesh, [Shard(d)], [random_sizes(rng, shape[d], world)])
+        with shardlab.gathers("raise"), shardlab.trace() as t:
+            y = torch.segment_reduce(x, reduce, **kw)
+        sent.append(len(t.events))
+        if not torch.allclose(y.full_tensor(), torch.segment_reduce(a, reduce, **kw),
+                              equal_nan=True):  # fmt: skip
+            bad.append((shape, d, reduce, kw))
+    return bad, sent
+
+
+def _histograms(seed, world):
+    import random
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    import shardlab
+    from tests.tensor._cases import random_sizes
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    mesh = shardlab.this_rank().mesh
+    bad = []
+    for _ in range(8):
+        n, dims = rng.randint(1, 9), rng.randint(1, 3)
+        a = torch.randn(n, dims, generator=g, dtype=torch.float64)
+        if rng.random() < 0.2:
+            a[:, 0] = 1.0  # (one value: torch widens the range by 1/2 each side)
+        kw = {}
+        if rng.random() < 0.3:
+            kw["weight"] = torch.rand(n, generator=g, dtype=torch.float64)
+        if rng.random() < 0.3:
+            kw["density"] = True
+        if rng.random() < 0.3:
+            kw["range"] = [v for _ in range(dims) for v in (-1.0, 1.0)]
+        bins = [rng.randint(1, 4) for _ in range(dims)]
+        d = rng.randrange(2)
+        x = shardlab.distribute(a, mesh, [Shard(d)], [random_sizes(rng, a.shape[d], world)])
+        with shardlab.gathers("raise"), shardlab.trace() as t:
+            h = torch.histogramdd(x, bins=bins, **kw)
+        want = torch.histogramdd(a, bins=bins, **kw)
+        ok = torch.allclose(h.hist.full_tensor(), want.hist, equal_nan=True)
+        ok = ok and all(
+            torch.equal(e.full_tensor(), f) for e, f in zip(h.bin_edges, want.bin_edges)
+        )
+        mine = [e for e in t.events if e.rank == dist.get_rank()]
+        ranged = "range" not in kw and world > 1
+        if d == 0 and [e.kind for e in mine] != ["all_reduce"] * (
+            2 * ranged + bool(kw.get("density")) * (world > 1)
+        ):
+            ok = False
+        if not ok:
+            bad.append((a.shape, d, bins, list(kw), [e.label for e in mine]))
+    return bad
+
+
+@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.more_worlds)])
+def test_segment_reduce_sends_nothing(ranks_for, world):
+    bad, sent = ranks_for(world).run(_segments, 30 + world, world)[0]
+    assert bad == [] and all(n == 0 for n in sent), (bad, sent)
+
+
+@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.more_worlds)])
+def test_histogramdd_counts_each_ranks_rows(ranks_for, world):
+    assert ranks_for(world).run(_histograms, 40 + world, world)[0] == []
