@@ -514,7 +514,10 @@ def _chol(a, upper, name):
     return (rows, *rowlu.cholesky(local, rows, upper, name))
 
 
-@register(aten.linalg_cholesky_ex.default, aten.cholesky.default)
+_OLD_CHOLESKY = getattr(getattr(aten, "cholesky", None), "default", None)  # (gone in torch 2.15)
+
+
+@register(aten.linalg_cholesky_ex.default, *([_OLD_CHOLESKY] if _OLD_CHOLESKY else []))
 def cholesky(func, args, kwargs):
     if _declined(func, args, kwargs):
         return NotImplemented
@@ -527,7 +530,7 @@ def cholesky(func, args, kwargs):
     rows, factor, info = f
     if bool((info != 0).any()):  # not positive definite: torch's own answer (or error)
         return fallback.replicate_and_run(func, args, kwargs)
-    if func is aten.cholesky.default:
+    if func is _OLD_CHOLESKY:
         return _cut(factor, rows)
     return _cut(factor, rows), _repl(info, rows.mesh)
 
