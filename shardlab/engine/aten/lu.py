@@ -302,38 +302,42 @@ def _det_source(a):
     return _transposed(a) if contiguous else a
 
 
-@register(aten._linalg_det.default)
-def det(func, args, kwargs):
+def _det_factors(func, args, kwargs, name):
+    """The batched rule's answer, or ``(rows, LU rows, pivots, the diagonal's signs and
+    log-magnitudes summed over ranks (nb, 2))``: ONE all-gather of two numbers per rank
+    and matrix; or NotImplemented."""
     got = _batched(func, args, kwargs)
     a = args[0]
     if got is not NotImplemented or a.shape[-1] != a.shape[-2]:
         return got
-    f = _factor(_det_source(a), "det")
-    if f is None:
-        return NotImplemented
-    rows, lu, piv, _ = f
-    part = _diag(rows, lu).prod(-1, keepdim=True)  # (nb, 1)
-    d = _gathered(part, rows, "det.diagonal").prod(0)[:, 0] * _perm_sign(piv).reshape(-1)
-    d = d.to(lu.dtype).reshape(a.shape[:-2])
-    return _repl(d, rows.mesh), _cut(lu, rows), _repl(piv, rows.mesh)
-
-
-@register(aten._linalg_slogdet.default)
-def slogdet(func, args, kwargs):
-    got = _batched(func, args, kwargs)
-    a = args[0]
-    if got is not NotImplemented or a.shape[-1] != a.shape[-2]:
-        return got
-    f = _factor(_det_source(a), "slogdet")
+    f = _factor(_det_source(a), name)
     if f is None:
         return NotImplemented
     rows, lu, piv, _ = f
     dg = _diag(rows, lu)
     part = torch.stack([dg.sign().prod(-1), dg.abs().log().sum(-1)], -1)  # (nb, 2)
-    both = _gathered(part, rows, "slogdet.diagonal")
+    both = _gathered(part, rows, f"{name}.diagonal")
     sign = both[..., 0].prod(0) * _perm_sign(piv).reshape(-1).to(lu.dtype)
-    logabs = both[..., 1].sum(0)
-    shape = a.shape[:-2]
+    return rows, lu, piv, sign, both[..., 1].sum(0)
+
+
+@register(aten._linalg_det.default)
+def det(func, args, kwargs):
+    got = _det_factors(func, args, kwargs, "det")
+    if not isinstance(got, tuple):
+        return got
+    rows, lu, piv, sign, logabs = got
+    d = (sign * logabs.exp()).reshape(args[0].shape[:-2])
+    return _repl(d, rows.mesh), _cut(lu, rows), _repl(piv, rows.mesh)
+
+
+@register(aten._linalg_slogdet.default)
+def slogdet(func, args, kwargs):
+    got = _det_factors(func, args, kwargs, "slogdet")
+    if not isinstance(got, tuple):
+        return got
+    rows, lu, piv, sign, logabs = got
+    shape = args[0].shape[:-2]
     return (_repl(sign.reshape(shape), rows.mesh), _repl(logabs.reshape(shape), rows.mesh),
             _cut(lu, rows), _repl(piv, rows.mesh))  # fmt: skip
 
