@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     diagonal,
     dim_ops,
     distances,
+    embedding_bag,
     fft,
     foreach,
     group_norm,
