@@ -105,6 +105,19 @@ def replicated(x, cause: str):
     return move(x, replicate_layout(x.shape, x.device_mesh), cause)
 
 
+def schema_args(func, args, kwargs) -> dict:
+    """Every argument of an aten call by its schema name, defaults filled."""
+    out = {}
+    for i, spec in enumerate(func._schema.arguments):
+        if i < len(args):
+            out[spec.name] = args[i]
+        elif spec.name in kwargs:
+            out[spec.name] = kwargs[spec.name]
+        else:
+            out[spec.name] = spec.default_value if spec.has_default_value() else None
+    return out
+
+
 def op_name(func) -> str:
     return func.overloadpacket.__name__
 

@@ -58,22 +58,15 @@ def _remapped(w, idx, psw):
     return local, weight
 
 
-def _repl(t, mesh):
-    return c.wrap(t, mesh, ShardLayout.build(tuple(t.shape), tuple(mesh.shape),
-                                             [Replicate()] * mesh.ndim))  # fmt: skip
-
-
 @register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
 def embedding_bag(func, args, kwargs):
-    names = [a.name for a in func._schema.arguments]
-    kw = {n: a.default_value for n, a in zip(names, func._schema.arguments)
-          if a.has_default_value()} | dict(zip(names, args)) | kwargs  # fmt: skip
+    kw = c.schema_args(func, args, kwargs)
     w, idx, off, psw = kw["weight"], kw["indices"], kw["offsets"], kw["per_sample_weights"]
     if type(w) is c.ShardTensor and w._layout.is_whole() and _whole(idx, off, psw):
         # every rank holds it: torch's kernel (the meta kernel's shapes of the bags'
         # bookkeeping results differ from the CPU kernel's: each wrapped as it comes)
         outs = func(*[c.local(a) for a in args], **{k: c.local(v) for k, v in kwargs.items()})
-        return tuple(_repl(o, w.device_mesh) for o in outs)
+        return tuple(c.as_shard(o, w.device_mesh) for o in outs)
     got = _cut(w)
     if got is None or not _whole(idx, off, psw):
         return NotImplemented
@@ -83,14 +76,16 @@ def embedding_bag(func, args, kwargs):
     if kind == "cols":
         outs = func(w._local_tensor, idx, off, *rest, psw, kw["include_last_offset"],
                     kw["padding_idx"])  # fmt: skip
-        d = w.shape[1]
-        return tuple(
-            c.wrap(o, mesh, ShardLayout.build((*o.shape[:-1], d), tuple(mesh.shape),
-                                              w._layout.placements,
-                                              [w._layout.sizes_arg(k) for k in range(mesh.ndim)]))
-            if o.ndim == 2 and i in (0, 3) and o.shape[0] == outs[0].shape[0] else _repl(o, mesh)
-            for i, o in enumerate(outs)
-        )  # fmt: skip
+        sizes = [w._layout.sizes_arg(k) for k in range(mesh.ndim)]
+
+        def laid(i, o):  # the result and max's indices cut as the table's columns
+            if o.ndim == 2 and i in (0, 3) and o.shape[0] == outs[0].shape[0]:
+                shape = (o.shape[0], w.shape[1])
+                lay = ShardLayout.build(shape, tuple(mesh.shape), w._layout.placements, sizes)
+                return c.wrap(o, mesh, lay)
+            return c.as_shard(o, mesh)
+
+        return tuple(laid(i, o) for i, o in enumerate(outs))
     mode, pad = kw["mode"], kw["padding_idx"]
     if mode not in (_SUM, _MEAN) or pad not in (None, -1) or kw["scale_grad_by_freq"]:
         return NotImplemented
@@ -108,7 +103,7 @@ def embedding_bag(func, args, kwargs):
     first = c.wrap(
         outs[0], mesh, ShardLayout.build(tuple(outs[0].shape), tuple(mesh.shape), places)
     )
-    return (first, *(_repl(o, mesh) for o in outs[1:]))
+    return (first, *(c.as_shard(o, mesh) for o in outs[1:]))
 
 
 @register(aten._embedding_bag_backward.default)

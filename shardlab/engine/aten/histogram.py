@@ -75,11 +75,6 @@ def _edges(func, x, cut, bins, rng, density):
     return aten._histogramdd_bin_edges(torch.stack([lo, hi]), bins, density=density)
 
 
-def _repl(t, mesh):
-    return c.wrap(t, mesh, ShardLayout.build(tuple(t.shape), tuple(mesh.shape),
-                                             [Replicate()] * mesh.ndim))  # fmt: skip
-
-
 @register(aten._histogramdd_bin_edges.default)
 def bin_edges(func, args, kwargs):
     got = _rows(args[0])
@@ -90,7 +85,7 @@ def bin_edges(func, args, kwargs):
     if type(kw.get("weight")) is c.ShardTensor:
         kw["weight"] = None  # (the edges never read the weights)
     edges = _edges(func, x, cut, args[1], kw.get("range"), kw.get("density", False))
-    return [_repl(e, x.device_mesh) for e in edges]
+    return [c.as_shard(e, x.device_mesh) for e in edges]
 
 
 @register(aten._histogramdd_from_bin_cts.default)
@@ -128,4 +123,4 @@ def from_bin_cts(func, args, kwargs):
         shape = [1] * hist.ndim
         shape[d] = -1
         hist = hist / e.diff().reshape(shape)
-    return _repl(hist, mesh)
+    return c.as_shard(hist, mesh)

@@ -33,20 +33,19 @@ import torch
 from shardlab.comm import collectives
 from shardlab.engine import _common as c
 from shardlab.engine.aten import rowlu
-from shardlab.engine.aten.linalg import _args
 from shardlab.engine.aten.lu import (
     _batched,
     _cut,
-    _repl,
     _rows_of,
     _to_rows,
-    _transposed,
     _whole,
 )
+from shardlab.engine.aten.tsqr import transposed
 from shardlab.engine.registry import register
 from shardlab.trace import label
 
 aten = torch.ops.aten
+_args = c.schema_args
 
 
 def _summed(t, rows, name):
@@ -110,7 +109,7 @@ def geqrf(func, args, kwargs):
         return NotImplemented
     rows, local = got
     a, tau = geqrf_rows(local, rows, "geqrf")
-    return _cut(a, rows), _repl(tau, rows.mesh)
+    return _cut(a, rows), c.as_shard(tau, rows.mesh)
 
 
 @register(aten.linalg_householder_product.default)
@@ -152,6 +151,6 @@ def ormqr(func, args, kwargs):
         x = apply_rows(local, c.local(tau), _rows_of(cm, rows, "ormqr"), rows, transpose, "ormqr")
         return _cut(x, rows)
     # C op(Q) = (op(Q)^T C^T)^T
-    ct = _transposed(cm) if type(cm) is c.ShardTensor else cm.mT
+    ct = transposed(cm) if type(cm) is c.ShardTensor else cm.mT
     x = apply_rows(local, c.local(tau), _rows_of(ct, rows, "ormqr"), rows, not transpose, "ormqr")
     return _cut(x, rows).mT

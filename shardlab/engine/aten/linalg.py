@@ -41,27 +41,16 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardlab.engine import _common as c
 from shardlab.engine.aten import batched
-from shardlab.engine.aten.tsqr import TSQR, row_cut, to_rows
+from shardlab.engine.aten.tsqr import TSQR, row_cut, to_rows, transposed
 from shardlab.engine.aten.tsqr import layout_like as _layout
 from shardlab.engine.meta import meta_call
 from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
-from shardlab.layout import ShardLayout
 
 aten = torch.ops.aten
 
 
-def _args(func, args, kwargs):
-    """Every argument by its schema name, defaults filled."""
-    out = {}
-    for i, spec in enumerate(func._schema.arguments):
-        if i < len(args):
-            out[spec.name] = args[i]
-        elif spec.name in kwargs:
-            out[spec.name] = kwargs[spec.name]
-        else:
-            out[spec.name] = spec.default_value if spec.has_default_value() else None
-    return out
+_args = c.schema_args
 
 
 @register(aten.linalg_qr.default)
@@ -70,15 +59,14 @@ def qr(func, args, kwargs):
     if got is not NotImplemented:
         return got
     a, mode = args[0], _args(func, args, kwargs)["mode"]
-    if mode not in ("reduced", "r", "complete"):
+    if mode not in ("reduced", "r", "complete") or a.ndim < 2:
         return NotImplemented
+    if mode == "complete" and a.shape[-2] > a.shape[-1]:
+        return NotImplemented  # Q would be M x M: the fallback
     got = to_rows(a, "qr.to_rows")  # (cut along its columns: moved to its rows)
     if got is None:
         return NotImplemented
     a, m = got
-    big_m, n = a.shape[-2], a.shape[-1]
-    if mode == "complete" and big_m > n:
-        return NotImplemented  # Q would be M x M: the fallback
     t = TSQR(a, m, "qr")
     mesh, shape_q, shape_r = a.device_mesh, meta_call(func, args, kwargs)[0].shape, t.r.shape
     r = c.wrap(t.r, mesh, _layout(a, shape_r))
@@ -95,13 +83,7 @@ def _oriented(a):
         return a, m, False
     if type(a) is not c.ShardTensor or a.ndim < 2 or not a._layout.is_block():
         return None
-    lay, swap = a._layout, {a.ndim - 1: a.ndim - 2, a.ndim - 2: a.ndim - 1}
-    places = [Shard(swap.get(p.dim, p.dim)) if isinstance(p, Shard) else p for p in lay.placements]
-    shape = (*a.shape[:-2], a.shape[-1], a.shape[-2])
-    sizes = [lay.sizes_arg(j) for j in range(len(places))]
-    at = c.wrap(
-        a._local_tensor.mT, a.device_mesh, ShardLayout.build(shape, lay.mesh_shape, places, sizes)
-    )
+    at = transposed(a)
     m = row_cut(at)
     return None if m is None else (at, m, True)
 
@@ -177,11 +159,7 @@ def lstsq(func, args, kwargs):
     b = kw["b"]
     if kw["driver"] not in _DRIVERS or a.device.type != "cpu":
         return NotImplemented
-    got = to_rows(a, "lstsq.to_rows")  # (cut along its columns: moved to its rows)
-    if got is None:
-        return NotImplemented
-    a, m = got
-    if not isinstance(b, torch.Tensor) or b.dtype != a.dtype:
+    if type(a) is not c.ShardTensor or not isinstance(b, torch.Tensor) or b.dtype != a.dtype:
         return NotImplemented
     plain = type(b) is not c.ShardTensor  # (a plain B, whole on every rank: its rows sliced)
     if not plain and b.device_mesh != a.device_mesh:
@@ -192,6 +170,10 @@ def lstsq(func, args, kwargs):
     rows = b.ndim - 1 if vector else b.ndim - 2
     if not plain and any(isinstance(p, Shard) and p.dim != rows for p in b._layout.placements):
         return NotImplemented
+    got = to_rows(a, "lstsq.to_rows")  # (cut along its columns: moved to its rows)
+    if got is None:
+        return NotImplemented
+    a, m = got
     want = _layout(a, b.shape, rows, m)  # B's rows cut as A's
     if plain:
         block = b[tuple(slice(lo, hi) for lo, hi in want.local_box(c.me(a.device_mesh)))]

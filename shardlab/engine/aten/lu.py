@@ -1,7 +1,7 @@
 """LU, Cholesky, determinants, inverses and solves of a matrix cut along a matrix dim: on
 :mod:`.rowlu`, no rank holding the matrix.
 
-Which cut the algorithms run on (:func:`_plan_rows`), read from global layouts only:
+Which cut the algorithms run on, read from global layouts only:
 
 - ``A`` cut along its rows (dim -2) by one mesh dim: as it is;
 - ``A`` cut along its columns: its transpose's rows are that cut (each block transposed,
@@ -41,14 +41,14 @@ from torch.distributed.tensor import Replicate, Shard
 from shardlab.comm import collectives, p2p
 from shardlab.engine import _common as c
 from shardlab.engine.aten import batched, fallback, linalg, rowlu
-from shardlab.engine.aten.linalg import _args
-from shardlab.engine.aten.tsqr import row_cut, to_rows
+from shardlab.engine.aten.tsqr import row_cut, to_rows, transposed
 from shardlab.engine.registry import register
 from shardlab.engine.rule import Plan
 from shardlab.layout import ShardLayout
 from shardlab.trace import label
 
 aten = torch.ops.aten
+_args = c.schema_args
 _REAL = (torch.float32, torch.float64)
 
 
@@ -67,10 +67,6 @@ def _real(*ts) -> bool:
     return all(not isinstance(t, torch.Tensor) or t.dtype in _REAL for t in ts)
 
 
-def _even(n: int, p: int) -> list[int]:
-    return [n // p + (1 if q < n % p else 0) for q in range(p)]
-
-
 def _to_rows(a, name: str):
     """``(rows, A's rows here)`` for ``A`` cut along its rows, or along its columns (moved
     to its rows: one all-to-all, :func:`.tsqr.to_rows`), else None."""
@@ -79,18 +75,6 @@ def _to_rows(a, name: str):
         return None
     a, m = got
     return rowlu.Rows(a.device_mesh, m, a._layout.shard_sizes(m)), a._local_tensor
-
-
-def _transposed(a):
-    """``a.mT`` as a ShardTensor (each block transposed, no message)."""
-    lay, nd = a._layout, a.ndim
-    swap = {nd - 1: nd - 2, nd - 2: nd - 1}
-    places = [Shard(swap.get(p.dim, p.dim)) if isinstance(p, Shard) else p for p in lay.placements]
-    shape = (*a.shape[:-2], a.shape[-1], a.shape[-2])
-    sizes = [lay.sizes_arg(j) for j in range(len(places))]
-    return c.wrap(
-        a._local_tensor.mT, a.device_mesh, ShardLayout.build(shape, lay.mesh_shape, places, sizes)
-    )
 
 
 def _rows_of(b, rows: rowlu.Rows, name: str):
@@ -164,7 +148,7 @@ def _lu_solve(rows, lu, piv, b, adjoint: bool, name: str, b_whole=None) -> torch
     if b is None:
         b = b_whole.expand(*batch, big_m, k)[..., rows.lo : rows.hi, :]
     lay = _rows_layout(lu.shape[:-2] + (big_m, big_m), rows.mesh, rows.m, rows.sizes)
-    lt = c.move(_transposed(c.wrap(lu, rows.mesh, lay)), lay, f"{name}.transpose")._local_tensor
+    lt = c.move(transposed(c.wrap(lu, rows.mesh, lay)), lay, f"{name}.transpose")._local_tensor
     z = rowlu.solve(lt, b, rows, upper=False, unit=False, name=name)  # U^T z = B
     w = rowlu.solve(lt, z, rows, upper=True, unit=True, name=name)  # L^T w = z
     inv = torch.argsort(perm, -1)  # X = w[perm^-1]
@@ -179,11 +163,6 @@ def _factor(a, name):
         return None
     rows, local = got
     return (rows, *rowlu.lu(local, rows, name))
-
-
-def _repl(t, mesh):
-    return c.wrap(t, mesh, ShardLayout.build(tuple(t.shape), tuple(mesh.shape),
-                                             [Replicate()] * mesh.ndim))  # fmt: skip
 
 
 def _cut(t, rows, shape=None):
@@ -211,7 +190,7 @@ def lu_factor_ex(func, args, kwargs):
     if f is None:
         return got
     rows, lu, piv, info = f
-    return _cut(lu, rows), _repl(piv, rows.mesh), _repl(info, rows.mesh)
+    return _cut(lu, rows), c.as_shard(piv, rows.mesh), c.as_shard(info, rows.mesh)
 
 
 def _unpacked(rows, lu, piv, shape, with_p=True, with_lu=True):
@@ -226,9 +205,9 @@ def _unpacked(rows, lu, piv, shape, with_p=True, with_lu=True):
         p = torch.nn.functional.one_hot(inv, big_m).to(lu.dtype)
         p = _cut(p, rows, (*batch, big_m, big_m))
     else:
-        p = c.wrap(empty, mesh, _repl_layout((0,), mesh))
+        p = c.wrap(empty, mesh, c.replicate_layout((0,), mesh))
     if not with_lu:
-        z = c.wrap(empty, mesh, _repl_layout((0,), mesh))
+        z = c.wrap(empty, mesh, c.replicate_layout((0,), mesh))
         return p, z, z
     g = torch.arange(rows.lo, rows.hi)[:, None]
     cols = torch.arange(k)[None, :]
@@ -238,10 +217,6 @@ def _unpacked(rows, lu, piv, shape, with_p=True, with_lu=True):
     u = lu[..., : ucut[rows.me], :].triu(rows.lo)
     ulay = _rows_layout((*batch, k, n), mesh, rows.m, ucut)
     return p, _cut(l_, rows, (*batch, big_m, k)), c.wrap(u, mesh, ulay)
-
-
-def _repl_layout(shape, mesh):
-    return ShardLayout.build(tuple(shape), tuple(mesh.shape), [Replicate()] * mesh.ndim)
 
 
 @register(aten.linalg_lu.default)
@@ -262,8 +237,10 @@ def lu_unpack(func, args, kwargs):
     lu, piv = kw["LU_data"], kw["LU_pivots"]
     if not _whole(piv) or not kw["unpack_pivots"] and not kw["unpack_data"]:
         return NotImplemented
+    if lu.ndim < 2 or piv.shape[-1] != min(lu.shape[-2:]):
+        return NotImplemented
     got = _to_rows(lu, "lu_unpack")
-    if got is None or piv.shape[-1] != min(lu.shape[-2:]):
+    if got is None:
         return NotImplemented
     rows, local = got
     return _unpacked(rows, local, c.local(piv), lu.shape, kw["unpack_pivots"], kw["unpack_data"])
@@ -299,7 +276,7 @@ def _det_source(a):
     for d in range(a.ndim - 2, -1, -1):
         want[d] = want[d + 1] * a.shape[d + 1]
     contiguous = all(n == 1 or s == w for n, s, w in zip(a.shape, a.stride(), want))
-    return _transposed(a) if contiguous else a
+    return transposed(a) if contiguous else a
 
 
 def _det_factors(func, args, kwargs, name):
@@ -328,7 +305,7 @@ def det(func, args, kwargs):
         return got
     rows, lu, piv, sign, logabs = got
     d = (sign * logabs.exp()).reshape(args[0].shape[:-2])
-    return _repl(d, rows.mesh), _cut(lu, rows), _repl(piv, rows.mesh)
+    return c.as_shard(d, rows.mesh), _cut(lu, rows), c.as_shard(piv, rows.mesh)
 
 
 @register(aten._linalg_slogdet.default)
@@ -338,8 +315,9 @@ def slogdet(func, args, kwargs):
         return got
     rows, lu, piv, sign, logabs = got
     shape = args[0].shape[:-2]
-    return (_repl(sign.reshape(shape), rows.mesh), _repl(logabs.reshape(shape), rows.mesh),
-            _cut(lu, rows), _repl(piv, rows.mesh))  # fmt: skip
+    mesh = rows.mesh
+    return (c.as_shard(sign.reshape(shape), mesh), c.as_shard(logabs.reshape(shape), mesh),
+            _cut(lu, rows), c.as_shard(piv, mesh))  # fmt: skip
 
 
 def _local_columns(mesh, b, outs):
@@ -351,7 +329,7 @@ def _local_columns(mesh, b, outs):
     if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == b.ndim - 1)
                for p in b._layout.placements):  # fmt: skip
         return NotImplemented
-    lays = (b._layout, *(_repl_layout(s, mesh) for s in outs[1:]))
+    lays = (b._layout, *(c.replicate_layout(s, mesh) for s in outs[1:]))
     return Plan(mesh, lays if len(outs) > 1 else lays[0], None, "solve.local")
 
 
@@ -370,12 +348,11 @@ def lu_solve(func, args, kwargs):
     ):
         return NotImplemented
     if not left:  # X A = B: A^T X^T = B^T
-        out = torch.linalg.lu_solve(lu, piv, b.mT, left=True, adjoint=not adjoint)
-        return out.mT.contiguous() if type(out) is not c.ShardTensor else out.mT
-    return _solve_lu(lu, c.local(piv), b, adjoint, "lu_solve", func, args, kwargs)
+        return torch.linalg.lu_solve(lu, piv, b.mT, left=True, adjoint=not adjoint).mT
+    return _solve_lu(lu, c.local(piv), b, adjoint, "lu_solve")
 
 
-def _solve_lu(lu, piv, b, adjoint, name, func, args, kwargs):
+def _solve_lu(lu, piv, b, adjoint, name):
     if _whole(lu):
         if type(b) is not c.ShardTensor:
             return NotImplemented
@@ -427,7 +404,7 @@ def solve_ex(func, args, kwargs):
     x = _cut(x, rows)
     x = x if left else x.mT
     x = x.squeeze(-1) if vec else x
-    return x, _cut(lu, rows), _repl(piv, rows.mesh), _repl(info, rows.mesh)
+    return x, _cut(lu, rows), c.as_shard(piv, rows.mesh), c.as_shard(info, rows.mesh)
 
 
 @register(aten.linalg_inv_ex.default)
@@ -444,7 +421,7 @@ def inv_ex(func, args, kwargs):
     rows, lu, piv, info = f
     eye = torch.eye(a.shape[-1], dtype=lu.dtype, device=lu.device)  # B = I, on each rank
     x = _lu_solve(rows, lu, piv, None, False, "inv", b_whole=eye.expand(*a.shape))
-    return _cut(x, rows), _repl(info, rows.mesh)
+    return _cut(x, rows), c.as_shard(info, rows.mesh)
 
 
 def _tri_solve(a, b, upper: bool, unit: bool, name: str):
@@ -469,7 +446,7 @@ def _tri_solve(a, b, upper: bool, unit: bool, name: str):
 
 def _t(a):
     """``A^T``: a ShardTensor's blocks transposed (no message), a whole tensor's."""
-    return _transposed(a) if type(a) is c.ShardTensor else a.mT
+    return transposed(a) if type(a) is c.ShardTensor else a.mT
 
 
 def _tri_left(a, b, upper, unit, left, name):
@@ -505,14 +482,16 @@ def triangular_solve(func, args, kwargs):
         x = _tri_solve(a, b, upper, unit, "triangular_solve")
     if x is NotImplemented:
         return x
-    clone = a.clone() if type(a) is c.ShardTensor else _repl(a.clone(), x.device_mesh)
+    clone = a.clone() if type(a) is c.ShardTensor else c.as_shard(a.clone(), x.device_mesh)
     return x, clone
 
 
 def _chol(a, upper, name):
     """``(rows, the factor's rows, info)`` or None."""
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        return None
     got = _to_rows(a, name)
-    if got is None or a.shape[-1] != a.shape[-2]:
+    if got is None:
         return None
     rows, local = got
     return (rows, *rowlu.cholesky(local, rows, upper, name))
@@ -536,7 +515,7 @@ def cholesky(func, args, kwargs):
         return fallback.replicate_and_run(func, args, kwargs)
     if func is _OLD_CHOLESKY:
         return _cut(factor, rows)
-    return _cut(factor, rows), _repl(info, rows.mesh)
+    return _cut(factor, rows), c.as_shard(info, rows.mesh)
 
 
 def _chol_solve(b, f, upper, name):

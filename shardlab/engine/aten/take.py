@@ -158,8 +158,7 @@ def as_strided(func, args, kwargs):
     alike on every rank; strides no dense tensor has, or positions past the end (torch's
     error, from the fallback): ``NotImplemented``."""
     scatter = func is aten.as_strided_scatter.default
-    names = [a.name for a in func._schema.arguments]
-    kw = dict(zip(names, args)) | kwargs
+    kw = c.schema_args(func, args, kwargs)
     x = kw["self"]
     size, stride = list(kw["size"]), list(kw["stride"])
     offset = kw.get("storage_offset")

@@ -97,6 +97,19 @@ def to_rows(a, cause: str):
     return c.move(c.reduced(a, cause), want, cause), m
 
 
+def transposed(a):
+    """``a.mT`` as a ShardTensor: each block transposed, the cuts of the two matrix dims
+    swapped, no message."""
+    lay, nd = a._layout, a.ndim
+    swap = {nd - 1: nd - 2, nd - 2: nd - 1}
+    places = [Shard(swap.get(p.dim, p.dim)) if isinstance(p, Shard) else p for p in lay.placements]
+    shape = (*a.shape[:-2], a.shape[-1], a.shape[-2])
+    sizes = [lay.sizes_arg(j) for j in range(len(places))]
+    return c.wrap(
+        a._local_tensor.mT, a.device_mesh, ShardLayout.build(shape, lay.mesh_shape, places, sizes)
+    )
+
+
 def _signs(top, last_kept):
     """LAPACK's diagonal signs S of the Householder QR of an orthonormal ``Q`` from its top
     k x k block ``top`` (..., k, k): the LU of ``top - S``, each S_j = -sign(pivot) as
