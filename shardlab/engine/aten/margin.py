@@ -117,7 +117,7 @@ def backward(func, args, kwargs):
     if kind == "samples":
         lo, hi = x._layout.local_box(c.me(mesh))[0]
         scale = x.shape[0] if reduction == _MEAN else 1
-        gb = g[lo:hi] if reduction == _NONE else g * 0 + g  # (a whole number)
+        gb = g[lo:hi] if reduction == _NONE else g  # (the mean or sum: a whole number)
         out = func(gb, x._local_tensor, target[lo:hi], _NONE if reduction == _NONE else _SUM,
                    c.local(is_target))  # fmt: skip
         return c.wrap(out / scale, mesh, x._layout)
