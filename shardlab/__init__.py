@@ -12,6 +12,13 @@ from shardlab._compat import check_torch_version
 check_torch_version()  # one clear message for an unsupported torch, before anything else
 
 from shardlab.runtime import RankContext, RankError, Ranks, this_rank  # noqa: E402
+from shardlab.runtime.launch import preload_on_ranks  # noqa: E402
+
+# what a rank's first sharded call imports (the engine and its rules, the patch, the
+# tracer, DTensor, dynamo: about a second of CPU a rank), imported once by the pool's
+# forkserver before it forks the ranks
+preload_on_ranks("torch.distributed.tensor", "torch._dynamo", "shardlab.ops", "shardlab.patch",
+                 "shardlab.trace")  # fmt: skip
 
 __version__ = "0.1.0"
 

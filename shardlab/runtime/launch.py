@@ -22,6 +22,18 @@ import types
 
 import cloudpickle
 
+# What the forkserver imports before it forks a rank: the worker (torch), and what the
+# layers above add with :func:`preload_on_ranks` (the tensor engine, the patch, dynamo:
+# a rank's first sharded call imported them, about a second of CPU for each rank).
+PRELOAD: list[str] = ["shardlab.runtime.worker"]
+
+
+def preload_on_ranks(*modules: str) -> None:
+    """Have the forkserver import ``modules`` once, before it forks the ranks, instead of
+    each rank on its first call (a table filled from above: the runtime imports nothing of
+    the layers it names). Takes effect for a forkserver not yet started."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
 
 def pick_start_method(requested: str | None) -> str:
     """``requested`` if this platform has it, else ValueError; None: forkserver if any."""

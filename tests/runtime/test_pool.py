@@ -245,6 +245,16 @@ def test_dead_rank_detected_and_recovers(ranks_for):
     assert "exit code 7" in str(info.value)
     assert ranks.run(lambda: this_rank().rank) == [0, 1]
 
+    def imported():  # (nothing of the engine imported by this call or the one above)
+        import sys
+
+        engine = ("shardlab.ops", "shardlab.patch", "torch._dynamo")
+        return sorted(m for m in engine if m in sys.modules)
+
+    # the new ranks were forked with the engine imported (shardlab.runtime.launch.PRELOAD):
+    # their first sharded call imports nothing
+    assert ranks.run(imported) == [["shardlab.ops", "shardlab.patch", "torch._dynamo"]] * 2
+
 
 def test_unpicklable_function_is_a_clear_error(ranks_for):
     import threading
