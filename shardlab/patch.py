@@ -207,6 +207,8 @@ def enable(*, dtensors: bool | None = None) -> None:
             _SHARD_TENSOR[:] = [DTensor if dtensors else ShardTensor]
         if not ORIGINALS:
             _hook_dynamo()
+        if "torch._dynamo" in sys.modules:
+            _rules_read_torchs_functions()
         for name in PATCHED_NAMES:
             if name in ORIGINALS:
                 continue
@@ -221,6 +223,26 @@ def enable(*, dtensors: bool | None = None) -> None:
         _hook_natten()
         if "torch._dynamo" in sys.modules:
             _made_for_dynamo()
+
+
+def _rules_read_torchs_functions() -> None:
+    """dynamo's table of the torch functions it may trace (``trace_rules.
+    get_torch_obj_rule_map``: read from ``torch.nn.functional`` on its first use, again after
+    ``init_process_group`` clears it), read with torch's own functions in place: read while
+    they are patched, it holds ours instead of torch's, and every compiled graph broke at
+    ``F.max_pool2d``, plain tensors too, where dynamo was imported before the patch."""
+    from torch._dynamo import trace_rules
+
+    if trace_rules.get_torch_obj_rule_map.cache_info().currsize:
+        return
+    patched_now = {name: getattr(F, name) for name in ORIGINALS}
+    try:
+        for name, original in ORIGINALS.items():
+            setattr(F, name, original)
+        trace_rules.get_torch_obj_rule_map()
+    finally:
+        for name, wrapper in patched_now.items():
+            setattr(F, name, wrapper)
 
 
 def _made_for_dynamo() -> None:

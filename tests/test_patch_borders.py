@@ -284,6 +284,37 @@ def test_enable_imports_no_compiler():
     assert python_last_line(code) == "[]"
 
 
+_DYNAMO_FIRST_SCRIPT = """
+import torch, torch._dynamo
+import torch.distributed as dist, torch.nn.functional as F
+from torch._dynamo.utils import counters
+import shardlab
+
+# (init_process_group clears dynamo's table)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+def f(x):
+    return F.max_pool2d(F.relu(x), 2).sum()
+
+x = torch.randn(1, 2, 8, 8)
+with shardlab.patched():
+    counters.clear()
+    out = torch.compile(f, backend="eager")(x)
+graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+print(graphs, breaks, torch.equal(out, f(x)))
+"""
+
+
+def test_dynamo_imported_before_the_patch_still_traces_torchs_functions():
+    """dynamo imported first, the process group made after (``init_process_group`` clears
+    dynamo's table of the torch functions it may trace, read again on the next compile),
+    then patched: a plain function with ``F.max_pool2d`` compiles to one graph, as without
+    the patch. (The table read while ``F`` held shardlab's wrappers broke every graph at
+    ``F.max_pool2d``, plain tensors too; found when the ranks' forkserver began to import
+    dynamo before the patch.)"""
+    assert python_last_line(_DYNAMO_FIRST_SCRIPT) == "1 0 True"
+
+
 _LOCAL_TENSOR_SCRIPT = """
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch.distributed.tensor import distribute_tensor, Shard, Replicate
