@@ -450,7 +450,8 @@ def test_transformers_models_compile_exactly(ranks_for):
             # dynamo's nested graph breaks (resume inside the frame that broke: fewer
             # breaks, as the README advises) change where graphs end, never the values.
             # Inductor: from torch 2.13 tests/tensor/test_messages_in_graphs.py compiles
-            # these three models with it (their messages in the graphs too); before, here.
+            # Llama with it (its messages in the graphs too; ResNet's kinds of layer compile
+            # with it in the tutorial U-Net, above); before, all three here.
             runs = [(_recording_backend(targets), False), ("aot_eager", True)]
             if not _traceable():
                 runs.insert(1, ("inductor", False))
