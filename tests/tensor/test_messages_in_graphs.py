@@ -57,7 +57,8 @@ def _breaks_and_graphs():
 @pytest.mark.slow
 def test_ops_that_send_compile_into_one_graph(ranks_for):
     """Each op alone, cut [7, 3], then [5, 5] and [7, 3] again (a graph per layout): one
-    graph, no break, its messages in the graph, equal to torch."""
+    graph, no break, its messages in the graph, equal to torch; with aot_eager, and with
+    inductor the ops whose graphs hold messages (its C++ compiles cost CI's cold cache)."""
 
     def body():
         from torch._dynamo.utils import counters
@@ -70,6 +71,8 @@ def test_ops_that_send_compile_into_one_graph(ranks_for):
         bad = []
         for backend in ("aot_eager", "inductor"):
             for name, fn in OPS.items():
+                if backend == "inductor" and name in ("mean", "sum(0)"):
+                    continue  # (Partial results: no message in their graphs, aot_eager's)
                 torch._dynamo.reset()
                 counters.clear()
                 targets = []
