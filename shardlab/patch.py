@@ -233,16 +233,24 @@ def _rules_read_torchs_functions() -> None:
     ``F.max_pool2d``, plain tensors too, where dynamo was imported before the patch."""
     from torch._dynamo import trace_rules
 
-    if trace_rules.get_torch_obj_rule_map.cache_info().currsize:
-        return
-    patched_now = {name: getattr(F, name) for name in ORIGINALS}
-    try:
-        for name, original in ORIGINALS.items():
-            setattr(F, name, original)
-        trace_rules.get_torch_obj_rule_map()
-    finally:
-        for name, wrapper in patched_now.items():
-            setattr(F, name, wrapper)
+    if not trace_rules.get_torch_obj_rule_map.cache_info().currsize:
+        with _torchs_functions_in_place():
+            trace_rules.get_torch_obj_rule_map()
+
+
+@contextlib.contextmanager
+def _torchs_functions_in_place():
+    """torch's own ``F`` functions in place for the block, ours back after it (dynamo
+    reading which functions it may trace: its import, its table of torch functions)."""
+    with _LOCK:
+        patched_now = {name: getattr(F, name) for name in ORIGINALS}
+        try:
+            for name, original in ORIGINALS.items():
+                setattr(F, name, original)
+            yield
+        finally:
+            for name, wrapper in patched_now.items():
+                setattr(F, name, wrapper)
 
 
 def _made_for_dynamo() -> None:
@@ -284,15 +292,8 @@ class _UnpatchedLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
-        with _LOCK:
-            patched_now = {name: getattr(F, name) for name in ORIGINALS}
-            try:
-                for name, original in ORIGINALS.items():
-                    setattr(F, name, original)
-                self.loader.exec_module(module)
-            finally:
-                for name, wrapper in patched_now.items():
-                    setattr(F, name, wrapper)
+        with _torchs_functions_in_place():
+            self.loader.exec_module(module)
         _made_for_dynamo()
 
 
