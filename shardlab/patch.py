@@ -208,7 +208,7 @@ def enable(*, dtensors: bool | None = None) -> None:
         if not ORIGINALS:
             _hook_dynamo()
         if "torch._dynamo" in sys.modules:
-            _rules_read_torchs_functions()
+            _hook_dynamo_rules()
         for name in PATCHED_NAMES:
             if name in ORIGINALS:
                 continue
@@ -225,17 +225,36 @@ def enable(*, dtensors: bool | None = None) -> None:
             _made_for_dynamo()
 
 
-def _rules_read_torchs_functions() -> None:
+def _rules_read_with_torchs_functions(wrapped, instance, args, kwargs):
     """dynamo's table of the torch functions it may trace (``trace_rules.
-    get_torch_obj_rule_map``: read from ``torch.nn.functional`` on its first use, again after
-    ``init_process_group`` clears it), read with torch's own functions in place: read while
-    they are patched, it holds ours instead of torch's, and every compiled graph broke at
-    ``F.max_pool2d``, plain tensors too, where dynamo was imported before the patch."""
+    get_torch_obj_rule_map``), read with torch's own functions in place. dynamo reads it from
+    ``torch.nn.functional`` on its first compile, and again after ``init_process_group``
+    clears it (before or after the patch): read while ``F`` holds shardlab's wrappers, it
+    holds ours instead of torch's, and every compiled graph broke at ``F.max_pool2d``, plain
+    tensors too."""
+    if not ORIGINALS or wrapped.cache_info().currsize:
+        return wrapped(*args, **kwargs)
+    with _torchs_functions_in_place():
+        return wrapped(*args, **kwargs)
+
+
+def _hook_dynamo_rules() -> None:
+    """Wrap dynamo's table reader (its ``cache_clear`` and ``cache_info`` pass through);
+    :func:`disable` unwraps it."""
     from torch._dynamo import trace_rules
 
-    if not trace_rules.get_torch_obj_rule_map.cache_info().currsize:
-        with _torchs_functions_in_place():
-            trace_rules.get_torch_obj_rule_map()
+    reader = trace_rules.get_torch_obj_rule_map
+    if not isinstance(reader, wrapt.FunctionWrapper):
+        trace_rules.get_torch_obj_rule_map = wrapt.FunctionWrapper(
+            reader, _rules_read_with_torchs_functions
+        )
+
+
+def _unhook_dynamo_rules() -> None:
+    trace_rules = sys.modules.get("torch._dynamo.trace_rules")
+    reader = getattr(trace_rules, "get_torch_obj_rule_map", None)
+    if isinstance(reader, wrapt.FunctionWrapper):
+        trace_rules.get_torch_obj_rule_map = reader.__wrapped__
 
 
 @contextlib.contextmanager
@@ -294,6 +313,8 @@ class _UnpatchedLoader(importlib.abc.Loader):
     def exec_module(self, module):
         with _torchs_functions_in_place():
             self.loader.exec_module(module)
+        if ORIGINALS:
+            _hook_dynamo_rules()
         _made_for_dynamo()
 
 
@@ -309,6 +330,7 @@ def disable() -> None:
     """Put the original functions back (a second call changes nothing)."""
     with _LOCK:
         _SHARD_TENSOR[:] = [ShardTensor]  # (the next enable() routes ShardTensors, unless told)
+        _unhook_dynamo_rules()
         for name, original in list(ORIGINALS.items()):
             setattr(F, name, original)
             del ORIGINALS[name]

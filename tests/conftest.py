@@ -16,9 +16,10 @@ SITE = DOCS / "_build" / "html"
 DOCS_TIMEOUT = 1800
 
 
-def python_last_line(code: str, timeout: float = 300) -> str:
-    """Run ``code`` in a fresh interpreter; the last line it prints (it must exit 0)."""
-    run = [sys.executable, "-c", code]
+def python_last_line(code: str, *argv: str, timeout: float = 300) -> str:
+    """Run ``code`` in a fresh interpreter (``sys.argv[1:]`` is ``argv``); the last line it
+    prints (it must exit 0)."""
+    run = [sys.executable, "-c", code, *argv]
     out = subprocess.run(run, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1]

@@ -285,34 +285,38 @@ def test_enable_imports_no_compiler():
 
 
 _DYNAMO_FIRST_SCRIPT = """
-import torch, torch._dynamo
+import sys, torch, torch._dynamo
 import torch.distributed as dist, torch.nn.functional as F
 from torch._dynamo.utils import counters
 import shardlab
-
-# (init_process_group clears dynamo's table)
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 def f(x):
     return F.max_pool2d(F.relu(x), 2).sum()
 
 x = torch.randn(1, 2, 8, 8)
+group = lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+if sys.argv[1] == "group-then-patch":  # (init_process_group clears dynamo's table)
+    group()
 with shardlab.patched():
+    if sys.argv[1] == "patch-then-group":
+        group()
     counters.clear()
     out = torch.compile(f, backend="eager")(x)
 graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-print(graphs, breaks, torch.equal(out, f(x)))
+unwrapped = torch._dynamo.trace_rules.get_torch_obj_rule_map.__class__.__name__  # (after)
+print(graphs, breaks, torch.equal(out, f(x)), unwrapped)
 """
 
 
-def test_dynamo_imported_before_the_patch_still_traces_torchs_functions():
-    """dynamo imported first, the process group made after (``init_process_group`` clears
-    dynamo's table of the torch functions it may trace, read again on the next compile),
-    then patched: a plain function with ``F.max_pool2d`` compiles to one graph, as without
-    the patch. (The table read while ``F`` held shardlab's wrappers broke every graph at
-    ``F.max_pool2d``, plain tensors too; found when the ranks' forkserver began to import
-    dynamo before the patch.)"""
-    assert python_last_line(_DYNAMO_FIRST_SCRIPT) == "1 0 True"
+@pytest.mark.parametrize("order", ["group-then-patch", "patch-then-group"])
+def test_dynamo_imported_before_the_patch_still_traces_torchs_functions(order):
+    """dynamo imported first, then the process group made before or after the patch
+    (``init_process_group`` clears dynamo's table of the torch functions it may trace,
+    read again on the next compile): a plain function with ``F.max_pool2d`` compiles to one
+    graph, as without the patch. (The table read while ``F`` held shardlab's wrappers broke
+    every graph at ``F.max_pool2d``, plain tensors too; found when the ranks' forkserver
+    began to import dynamo before the patch.) After the patch, dynamo's reader is its own."""
+    assert python_last_line(_DYNAMO_FIRST_SCRIPT, order) == "1 0 True _lru_cache_wrapper"
 
 
 _LOCAL_TENSOR_SCRIPT = """
