@@ -117,6 +117,10 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--calls", type=int, default=10_000)
     a = ap.parse_args()
+    # Python's own SIGINT handler, as a Jupyter kernel has one: a shell's background job
+    # (``cmd &`` without job control, ``nohup``) starts with SIGINT ignored, and the
+    # interrupts below would then do nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     work = [_collective, _collective, _shard_tensor_work, _collective, _mesh_again]
     failures = {"exception": 0, "death": 0, "interrupt": 0}
