@@ -1,8 +1,10 @@
 """``segment_reduce`` (``shardlab/engine/aten/segment.py``) and ``histogramdd``
 (``histogram.py``) of data cut along its rows: equal to one device (float64) over random
 uneven and empty pieces, on 1, 3 and 4 ranks; ``segment_reduce`` sends nothing (max / min /
-sum / mean, ``lengths`` or ``offsets``, with and without ``initial``); ``histogramdd`` one
-all-reduce of 2 D numbers per op (the bins' range), counts Partial."""
+sum / mean, ``lengths`` or ``offsets``, with and without ``initial``), and its backward
+equals torch's (ties, nan) with nothing gathered: no message for sum / mean, two
+all-reduces of the result's size for max / min of data cut along its rows;
+``histogramdd`` one all-reduce of 2 D numbers per op (the bins' range), counts Partial."""
 
 from __future__ import annotations
 
@@ -42,6 +44,51 @@ def _segments(seed, world):
                               equal_nan=True):  # fmt: skip
             bad.append((shape, d, reduce, kw))
     return bad, sent
+
+
+def _segment_gradients(seed, world):
+    import random
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    import shardlab
+    from tests.tensor._cases import random_sizes
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    mesh = shardlab.this_rank().mesh
+    bad = []
+    for _ in range(16):
+        n = rng.randint(1, 8)
+        shape = (n, *[rng.randint(1, 3) for _ in range(rng.randint(0, 1))])
+        a = torch.randint(-2, 3, shape, generator=g).double()  # (ties across the cuts)
+        if rng.random() < 0.2:
+            a[0] = float("nan")
+        cuts = sorted(rng.randint(0, n) for _ in range(rng.randint(0, 3)))
+        lengths = torch.tensor([b - a_ for a_, b in zip([0, *cuts], [*cuts, n])])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        kw = {"lengths": lengths} if rng.random() < 0.5 else {"offsets": offsets}
+        if rng.random() < 0.5:
+            kw["initial"] = rng.choice([0.5, -1.0, 1.0])
+        reduce = rng.choice(["max", "min", "sum", "mean"])
+        d = rng.randrange(len(shape))
+        w = torch.randn(len(lengths), *shape[1:], generator=g, dtype=torch.float64)
+        one = a.clone().requires_grad_()
+        (want,) = torch.autograd.grad((torch.segment_reduce(one, reduce, **kw) * w).sum(), one)
+        sizes = random_sizes(rng, shape[d], world)
+        x = shardlab.distribute(a, mesh, [Shard(d)], [sizes]).requires_grad_()
+        with shardlab.gathers("raise"):
+            loss = (torch.segment_reduce(x, reduce, **kw) * w).sum()
+            with shardlab.trace() as t:
+                (got,) = torch.autograd.grad(loss, x)
+        mine = [(e.kind, e.label, e.bytes) for e in t.events if e.rank == dist.get_rank()]
+        expected = []  # sum, mean, or data cut along another dim: no message
+        if d == 0 and reduce in ("max", "min") and world > 1:  # the result, the ties' counts
+            expected = [("all_reduce", "segment_reduce backward", w.numel() * 8)] * 2
+        if not torch.allclose(got.full_tensor(), want, equal_nan=True) or mine != expected:
+            bad.append((shape, d, sizes, reduce, kw, mine))
+    return bad
 
 
 def _histograms(seed, world):
@@ -99,3 +146,8 @@ def test_segment_reduce_sends_nothing(ranks_for, world):
 @pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.more_worlds)])
 def test_histogramdd_counts_each_ranks_rows(ranks_for, world):
     assert ranks_for(world).run(_histograms, 40 + world, world)[0] == []
+
+
+@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.more_worlds)])
+def test_segment_reduce_backward_equals_torch_without_a_gather(ranks_for, world):
+    assert ranks_for(world).run(_segment_gradients, 50 + world, world)[0] == []

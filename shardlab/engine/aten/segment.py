@@ -15,8 +15,20 @@ consecutive segments, one result per segment::
    Partial(sum). No message; the sum when the result is read.
 
 ``data`` cut along other dims: each rank its block, the result cut alike. ``prod``, a cut
-``lengths``, ``axis`` other than 0, 2-D ``lengths``: ``NotImplemented``. The backward is
-autograd's (``_segment_reduce_backward``, the fallback).
+``lengths``, ``axis`` other than 0, 2-D ``lengths``: ``NotImplemented``.
+
+The backward (``_segment_reduce_backward``), each rank the gradient of its own rows:
+
+1. the result's gradient whole along the segments (cut as ``data`` along its other dims):
+   no message when it is so, or Replicate; else moved (a Partial: one all-reduce of the
+   result's size);
+2. ``sum``: each row the gradient of its segment; ``mean``: divided by the segment's whole
+   length. No message;
+3. ``max`` / ``min``: the result whole along the segments (its Partial(max / min): one
+   all-reduce of the result's size); a row takes its segment's gradient where it equals the
+   result (or is nan), divided by the segment's count of such rows on every rank (one
+   all-reduce of the result's size) where that is 2 or more and the gradient is positive,
+   as torch's kernel divides it.
 """
 
 from __future__ import annotations
@@ -83,3 +95,69 @@ def segment_reduce(func, args, kwargs):
     sizes = [lay.sizes_arg(k) if isinstance(p, Shard) else None for k, p in enumerate(places)]
     shape = (len(lengths), *data.shape[1:])
     return c.wrap(y, mesh, ShardLayout.build(shape, tuple(mesh.shape), places, sizes))
+
+
+def _whole_along_segments(lay: ShardLayout, shape) -> ShardLayout:
+    """The result's layout with every mesh dim cutting the segments (dim 0) Replicate."""
+    places = [p if isinstance(p, Shard) and p.dim else Replicate() for p in lay.placements]
+    sizes = [lay.sizes_arg(k) if isinstance(p, Shard) else None for k, p in enumerate(places)]
+    return ShardLayout.build(tuple(shape), lay.mesh_shape, places, sizes)
+
+
+def _block(t, mesh, layout: ShardLayout, cause: str) -> torch.Tensor:
+    """This rank's block of ``t`` (a ShardTensor moved to ``layout``; a plain tensor, whole,
+    sliced to it: no message)."""
+    if type(t) is c.ShardTensor:
+        return c.move(t, layout, cause)._local_tensor
+    box = layout.local_box(c.me(mesh))
+    return t[tuple(slice(lo, hi) for lo, hi in box)]
+
+
+@register(aten._segment_reduce_backward.default)
+def segment_reduce_backward(func, args, kwargs):
+    kw = c.schema_args(func, args, kwargs)
+    grad, out, data, reduce = kw["grad"], kw["output"], kw["data"], kw["reduce"]
+    lengths, offsets = kw["lengths"], kw["offsets"]
+    if kw["axis"] != 0 or reduce not in ("max", "min", "sum", "mean"):
+        return NotImplemented
+    if type(data) is not c.ShardTensor or not isinstance(grad, torch.Tensor):
+        return NotImplemented
+    given = lengths if lengths is not None else offsets
+    if given is None or given.ndim != 1 or (type(given) is c.ShardTensor
+                                             and not given._layout.is_whole()):  # fmt: skip
+        return NotImplemented
+    lay, mesh = data._layout, data.device_mesh
+    if not lay.is_block() or any(isinstance(p, Partial) for p in lay.placements):
+        return NotImplemented
+    if any(type(t) is c.ShardTensor and t.device_mesh != mesh for t in (grad, out)):
+        return NotImplemented
+    whole = c.local(given).long()
+    lengths = whole if lengths is not None else whole.diff()
+    if int(lengths.sum()) != data.shape[0] or (lengths < 0).any():
+        return NotImplemented  # (torch's own error, from the fallback)
+    want = _whole_along_segments(lay, (len(lengths), *data.shape[1:]))
+    cause = "segment_reduce backward"
+    g = _block(grad, mesh, want, cause)  # 1. (S, *inner_local)
+    ends = lengths.cumsum(0)
+    lo, hi = lay.local_box(c.me(mesh))[0]
+    mine = (torch.minimum(ends, torch.tensor(hi)) - torch.maximum(ends - lengths,
+            torch.tensor(lo))).clamp_min(0)  # fmt: skip
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), mine)  # (rows_local,)
+    rows = g[seg]  # 2. (rows_local, *inner_local): each row its segment's gradient
+    if reduce == "sum":
+        return c.wrap(rows, mesh, lay)
+    if reduce == "mean":
+        return c.wrap(rows / lengths[seg].to(rows.dtype).reshape(-1, *[1] * (rows.ndim - 1)),
+                      mesh, lay)  # fmt: skip
+    x = data._local_tensor
+    o = _block(out, mesh, want, cause)  # 3. (S, *inner_local)
+    hit = torch.isnan(x) | (x == o[seg])
+    count = torch.zeros_like(g).index_add_(0, seg, hit.to(g.dtype))  # this rank's ties
+    cut0 = [k for k, p in enumerate(lay.placements) if isinstance(p, Shard) and p.dim == 0]
+    if cut0:  # summed over the ranks that share the segments
+        places = [Partial() if k in cut0 else p for k, p in enumerate(want.placements)]
+        counted = c.wrap(count, mesh, want.replace(placements=tuple(places)))
+        count = c.reduced(counted, cause)._local_tensor
+    rows = torch.where(hit, rows, torch.zeros((), dtype=rows.dtype))
+    n = count[seg]
+    return c.wrap(torch.where((n >= 2) & (rows > 0), rows / n, rows), mesh, lay)
