@@ -20,6 +20,8 @@ bytes: the rows this rank hands in, rows kept on the rank included), labelled
 used on each rank's own tokens gets a partial gradient on each rank; their sum, over the
 ranks, is the gradient. It is kept for the one all-reduce of every such gradient at the
 end of the backward (:mod:`shardlab.tensor.grad_sum`, labelled ``"params backward"``).
+:func:`summed_together` does it for several blocks that are not leaves (the experts'
+weights, read as their local blocks), in one all-reduce as their gradients arrive.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from shardlab.comm.recompute import fenced
 from shardlab.tensor import grad_sum
 from shardlab.trace import label
 
-__all__ = ["all_to_all", "exchange_counts", "summed"]
+__all__ = ["all_to_all", "exchange_counts", "summed", "summed_together"]
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
@@ -104,3 +106,37 @@ class _Summed(torch.autograd.Function):
             for group in ctx.groups:
                 dist.all_reduce(grad, group=group)
         return grad, None, None
+
+
+def summed_together(params, group, cause: str) -> list:
+    """``params`` as they are (views), whose gradients are summed over the ranks of
+    ``group`` (a process group, or a list of them) in one all-reduce per group: the
+    gradients, flattened into one buffer, as they all arrive in the backward (per dtype,
+    where they differ). For blocks that are not leaves (a ShardTensor parameter's local
+    block), which the end-of-backward sum cannot keep."""
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
+    groups = [g for g in groups if dist.get_world_size(g) > 1]
+    if not (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or not groups:
+        return list(params)
+    return list(_SummedTogether.apply(groups, cause, *params))
+
+
+@fenced
+class _SummedTogether(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, groups, cause, *params):
+        ctx.groups, ctx.cause = groups, cause
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):  # (a gradient not reached is zeros: materialized)
+        out = list(grads)
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            mine = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            flat = torch.cat([grads[i].reshape(-1) for i in mine])  # (sum of numels,)
+            with label(ctx.cause, "backward"):
+                for group in ctx.groups:
+                    dist.all_reduce(flat, group=group)
+            for i, part in zip(mine, flat.split([grads[i].numel() for i in mine])):
+                out[i] = part.view(grads[i].shape)
+        return (None, None, *out)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlab.experts import routing
-from shardlab.experts.exchange import summed
+from shardlab.experts.exchange import summed, summed_together
 from shardlab.tensor import ShardTensor, distribute, scatter_tensor
 from shardlab.tensor.create import from_layout
 from shardlab.trace import label
@@ -56,7 +56,8 @@ class ExpertParallel(ParallelStyle):
     experts' mesh is one dim (``mesh["ep"]`` of ``("ep", "sp")``: each rank its own
     sequences along ``ep``, its own positions along ``sp``): then the all-to-alls run over
     ``ep`` only, and every weight's gradient, the experts' too, is also summed over the
-    other dims (the experts' at once, ``experts.weights backward``). Either way the result
+    other dims (the experts' at once, in one all-reduce per layer: ``experts.weights
+    backward``). Either way the result
     equals one device running the block on all the ranks' tokens together: forward, the
     input's gradient, each rank's experts' gradients (their slice of one device's) and the
     router's (summed over the ranks, equal on every rank, with the other replicated
@@ -214,10 +215,9 @@ def _experts_forward(state: _State, own_forward, *args, **kwargs):
     bound = inspect.signature(own_forward).bind(*args, **kwargs)
     hidden, index, weights = list(bound.arguments.values())[:3]
     experts = state.experts
-    local = {  # E/p, ...: summed over the token mesh's other dims, if any
-        n: summed(p.to_local(), state.others, "experts.weights")
-        for n, p in experts.named_parameters(recurse=False)
-    }
+    names, blocks = zip(*[(n, p.to_local()) for n, p in experts.named_parameters(recurse=False)])
+    # (E/p, ...) each: summed over the token mesh's other dims, if any, in one all-reduce
+    local = dict(zip(names, summed_together(blocks, state.others, "experts.weights")))
 
     def run_local(rows, ids, ones):  # this rank's experts: the module's own forward
         with _swapped([(experts, n, t) for n, t in local.items()]):

@@ -211,8 +211,9 @@ def test_on_a_2d_mesh_experts_over_one_dim_the_sequence_cut_over_the_other(ranks
     """Mesh (2, 2) ``("ep", "sp")``: the experts spread over ``ep``, each rank its own
     sequences along ``ep`` and its own positions along ``sp`` (sequence parallelism: the
     attention's ring runs over ``sp``). The all-to-alls run over ``ep`` only; the experts'
-    gradients are summed over ``sp`` (``experts.weights backward``), every other gradient
-    over both dims; one training step equals one device."""
+    gradients are summed over ``sp`` (``experts.weights backward``: one all-reduce per
+    layer, of all its expert weights), every other gradient over both dims; one training
+    step equals one device."""
 
     def body():
         import torch.nn.functional as F
@@ -251,10 +252,15 @@ def test_on_a_2d_mesh_experts_over_one_dim_the_sequence_cut_over_the_other(ranks
             for e in t.events
             if e.label.startswith("experts.") and e.mesh_dim is not None
         }
-        return _moe.close(logits.full_tensor(), ref.detach()), bad, axes
+        # the experts' gradients: one all-reduce per layer, all their weights' bytes
+        sums = [e.bytes for e in t.events if e.label == "experts.weights backward"]
+        layers = model.config.num_hidden_layers
+        per_layer = sum(p.to_local().nbytes for p in model.model.layers[0].mlp.experts.parameters())
+        return _moe.close(logits.full_tensor(), ref.detach()), bad, axes, sums, [per_layer] * layers
 
-    for same, bad, axes in ranks_for(4).run(body):
+    for same, bad, axes, sums, want in ranks_for(4).run(body):
         assert same and bad == [], bad
+        assert sums == want, (sums, want)
         assert axes == {
             **dict.fromkeys(
                 ["experts.counts forward", "experts.dispatch forward", "experts.combine forward",
