@@ -46,18 +46,18 @@ def _segments(seed, world):
     return bad, sent
 
 
-def _segment_gradients(seed, world):
+def _segment_gradients(seed, world, two_d=False):
     import random
 
     import torch.distributed as dist
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     import shardlab
     from tests.tensor._cases import random_sizes
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    mesh = shardlab.this_rank().mesh
+    mesh = shardlab.this_rank().mesh_for((2, 2)) if two_d else shardlab.this_rank().mesh
     bad = []
     for _ in range(16):
         n = rng.randint(1, 8)
@@ -76,8 +76,16 @@ def _segment_gradients(seed, world):
         w = torch.randn(len(lengths), *shape[1:], generator=g, dtype=torch.float64)
         one = a.clone().requires_grad_()
         (want,) = torch.autograd.grad((torch.segment_reduce(one, reduce, **kw) * w).sum(), one)
-        sizes = random_sizes(rng, shape[d], world)
-        x = shardlab.distribute(a, mesh, [Shard(d)], [sizes]).requires_grad_()
+        if two_d:  # each mesh dim cuts dim 0, dim d or nothing
+            places = [rng.choice([Shard(0), Shard(d), Replicate()]) for _ in range(2)]
+            sizes = [random_sizes(rng, shape[p.dim], 2) if isinstance(p, Shard) else None
+                     for p in places]  # fmt: skip
+            if places[0] == places[1]:  # (a dim cut twice: the inner cut even)
+                sizes[1] = None
+            x = shardlab.distribute(a, mesh, places, sizes).requires_grad_()
+        else:
+            sizes = random_sizes(rng, shape[d], world)
+            x = shardlab.distribute(a, mesh, [Shard(d)], [sizes]).requires_grad_()
         with shardlab.gathers("raise"):
             loss = (torch.segment_reduce(x, reduce, **kw) * w).sum()
             with shardlab.trace() as t:
@@ -86,6 +94,10 @@ def _segment_gradients(seed, world):
         expected = []  # sum, mean, or data cut along another dim: no message
         if d == 0 and reduce in ("max", "min") and world > 1:  # the result, the ties' counts
             expected = [("all_reduce", "segment_reduce backward", w.numel() * 8)] * 2
+        if two_d:  # (max / min: all-reduces of the result's size over the dims cutting rows)
+            cut = reduce in ("max", "min") and Shard(0) in places
+            expected = [m for m in mine if m[:2] == ("all_reduce", "segment_reduce backward")]
+            expected = expected if cut and expected else []
         if not torch.allclose(got.full_tensor(), want, equal_nan=True) or mine != expected:
             bad.append((shape, d, sizes, reduce, kw, mine))
     return bad
@@ -151,3 +163,8 @@ def test_histogramdd_counts_each_ranks_rows(ranks_for, world):
 @pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.more_worlds)])
 def test_segment_reduce_backward_equals_torch_without_a_gather(ranks_for, world):
     assert ranks_for(world).run(_segment_gradients, 50 + world, world)[0] == []
+
+
+def test_segment_reduce_backward_on_a_2d_mesh(ranks_for):
+    """Each mesh dim of a (2, 2) mesh cuts the rows, the other dim or nothing."""
+    assert ranks_for(4).run(_segment_gradients, 60, 4, True)[0] == []
