@@ -10,8 +10,14 @@ import re
 import nbformat
 
 # run in JupyterLab by tests/test_browser.py: the explorers and the first one (%%ranks)
-LAB = ("00_ranks", "04_uneven_shards", "06_halo_convolution", "13_pipeline_parallel",
-       "14_expert_parallel", "15_predict_then_measure")
+LAB = (
+    "00_ranks",
+    "04_uneven_shards",
+    "06_halo_convolution",
+    "13_pipeline_parallel",
+    "14_expert_parallel",
+    "15_predict_then_measure",
+)
 CHROMIUM = "/usr/bin/chromium"
 
 
