@@ -64,16 +64,25 @@ def _threads_files_rss() -> tuple[int, int, int]:
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
 def test_meshes_made_again_do_not_pile_up(ranks_for):
     """torch's own ``init_device_mesh``, called 200 times in a pool (1-D and 2-D, several
-    shapes and dim names, as a cell run again and again does): after the first round of
-    shapes, no thread, open file or MiB more per rank (each new mesh's gloo groups held
-    sockets and threads until the process ended: 185 threads after 50 meshes)."""
+    shapes and dim names, as a cell run again and again does), each mesh then carrying a
+    ShardTensor through a patched convolution: after the first round of shapes, no thread,
+    open file or MiB more per rank (each new mesh's gloo groups held sockets and threads
+    until the process ended: 185 threads after 50 meshes; shardlab's tables that name a
+    mesh are bounded)."""
 
     def body():
+        import torch.nn.functional as F
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        import shardlab
 
         shapes = [((2, 2), ("dp", "tp")), ((4,), None), ((1, 4), ("a", "b")), ((4, 1), None)]
         shapes += [((2, 2), ("x", "y"))]
         seen = []
+        x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
+        w = torch.randn(4, 3, 3, 3, dtype=torch.float64)
+        want = F.conv2d(x, w, padding=1).sum(0)
         for i in range(200):
             shape, names = shapes[i % len(shapes)]
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -81,6 +90,14 @@ def test_meshes_made_again_do_not_pile_up(ranks_for):
                 t = torch.ones(1)
                 dist.all_reduce(t, group=mesh.get_group(d))
                 assert t.item() == shape[d]
+            # and ShardTensors on it (the engine's tables name each new mesh object)
+            places = [Shard(2)] + [Replicate()] * (mesh.ndim - 1)
+            with shardlab.patched():
+                sizes = [{1: [9], 2: [5, 4], 4: [3, 2, 0, 4]}[shape[0]]] + [None] * (mesh.ndim - 1)
+                st = shardlab.distribute(x, mesh, places, sizes)
+                got = F.conv2d(st, w, padding=1).sum(0).full_tensor()
+            assert torch.allclose(got, want)
+            del mesh, st
             if i == len(shapes) - 1:
                 seen.append(_threads_files_rss())
         seen.append(_threads_files_rss())
