@@ -2,8 +2,8 @@
 scatter.py``; ``x[idx]``, ``x[idx] = v`` too): each rank writes (or picks) its own rows,
 no message (``x[idx] += 2``: the picked rows summed once), never a whole-tensor
 gather (``gathers("raise")``), forward and backward equal to one device over random
-uneven and empty pieces, duplicates and empty indices; torch's errors for an index out
-of range, on every rank."""
+uneven and empty pieces, duplicates, negative and empty indices; torch's errors for an
+index out of range, on every rank."""
 
 from __future__ import annotations
 
@@ -23,9 +23,13 @@ def _put(idx, values, add=False):
     return put
 
 
-def _ops(idx1, idx2, src):
+def _ops(idx1, idx2, src, n):
+    mixed = torch.where(torch.arange(idx1.numel()) % 2 == 0, idx1, idx1 - n)  # -1: the last
     return {
         "x[idx]": lambda t: t[idx1],
+        "x[negative idx]": lambda t: t[mixed],
+        "x[negative idx] = v": _put(mixed, src),
+        "index_put negative accumulate": lambda t: t.index_put((mixed,), src, accumulate=True),
         "x[idx 2-d]": lambda t: t[idx1.view(-1, 1)],
         "x[idx] = v": _put(idx1, src),
         "x[idx] += 2": _put(idx1, 2.0, add=True),
@@ -63,7 +67,7 @@ def _body(seed):
         src = torch.randn(e, f, dtype=torch.float64, generator=gen)
         cut = case % 2  # the scattered dim, or the other one
         sizes = random_sizes(rng, g.shape[cut], mesh.size())
-        for name, fn in _ops(idx1, idx2, src).items():
+        for name, fn in _ops(idx1, idx2, src, n).items():
             x = shardlab.distribute(g, mesh, [Shard(cut)], [sizes]).requires_grad_(True)
             ref = g.clone().requires_grad_(True)
             with shardlab.gathers("raise"), shardlab.trace() as t:
@@ -103,6 +107,7 @@ def test_gather_of_a_cut_input_is_a_partial_sum_and_a_bad_index_raises_everywher
         for call in (
             lambda: x.scatter_add(0, index + 1, g[:2]),
             lambda: x.index_select(0, index[0] + 1),
+            lambda: x[index[0] - 11],  # [-6, -11]: -6 is the first row, -11 none
         ):
             try:
                 call()
@@ -116,7 +121,7 @@ def test_gather_of_a_cut_input_is_a_partial_sum_and_a_bad_index_raises_everywher
 
     for partial, exact, errors in ranks_for(3).run(body):
         assert partial and exact
-        assert errors == [("RuntimeError", True), ("IndexError", True)]  # torch's types
+        assert errors == [("RuntimeError", True), ("IndexError", True), ("IndexError", True)]
 
 
 def _sources_body(seed):

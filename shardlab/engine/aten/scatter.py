@@ -139,13 +139,18 @@ def _my_rows(x, dim):
 
 
 _INDEX_ERRORS = {aten.index_copy, aten.index_copy_, aten.index_select, aten.index_reduce,
-                 aten.index_reduce_, aten.index_fill, aten.index_fill_}  # fmt: skip
+                 aten.index_reduce_, aten.index_fill, aten.index_fill_, aten.index,
+                 aten.index_put, aten.index_put_, aten._index_put_impl_}  # fmt: skip
+# (those that wrap a negative index, as torch does: x[-1], x[:, [-1, 0]] = v)
+_WRAPPING = {aten.index_fill, aten.index_fill_, aten.index, aten.index_put, aten.index_put_,
+             aten._index_put_impl_}  # fmt: skip
 
 
 def _checked(func, index, size, dim):
     """``index`` in ``[0, size)``, or torch's error for it (every rank: the index is
-    whole); ``index_fill`` wraps negative indices, as torch does."""
-    low = -size if func.overloadpacket in (aten.index_fill, aten.index_fill_) else 0
+    whole); ``index_fill``, ``x[index]`` and ``index_put`` wrap negative indices, as
+    torch does."""
+    low = -size if func.overloadpacket in _WRAPPING else 0
     wrong = (index < low) | (index >= size)
     if index.numel() and bool(wrong.any()):
         bad = index[wrong].flatten()[0].item()
@@ -374,7 +379,7 @@ class _OwnIndex:
     def __call__(self, args, kwargs):
         x, index = args[0], c.local([i for i in args[1] if i is not None][0])  # (a list's
         # ShardTensors reach the local call as they are)
-        index = _checked(aten.index_select.default, index, self.size, self.dim)
+        index = _checked(aten.index.Tensor, index, self.size, self.dim)
         if self.n == 0:
             return x.new_zeros(self.shape)
         inside, local = _in_block(index, self.lo, self.n, 0)  # 1.
@@ -390,7 +395,7 @@ class _OwnPuts(_OwnRows):
 
     def __call__(self, args, kwargs):
         x, indices = args[0], [None if i is None else c.local(i) for i in args[1]]
-        index = _checked(aten.index_select.default, indices[self.dim], self.size, self.dim)
+        index = _checked(self.func, indices[self.dim], self.size, self.dim)
         _, indices[self.dim] = _in_block(index, self.lo, self.n, self.n)  # 1.
         grown = _with_spare_row(x, self.dim)
         out = aten.index_put(grown, indices, *args[2:], **kwargs)  # 2.
