@@ -138,8 +138,9 @@ def test_t_and_an_inplace_view_of_a_view(ranks_for):
 def test_inplace_views_of_copied_views_write_back_or_refuse(ranks_for):
     """A view that had to be a copy (``B.view(4, 7)`` of ``B`` cut [4, 3] along its rows)
     transposed in place, then zeroed: ``B`` is zeroed, as on one device. ``squeeze_`` of a
-    size-1 dim cut over the ranks (a copy, which an in-place view cannot be): torch's
-    out-of-place call is named, on every rank."""
+    size-1 dim one rank holds: in place, the cut moved to the other dim (no message); of a
+    1-D tensor's only dim (a copy, which an in-place view cannot be): torch's out-of-place
+    call is named, on every rank."""
 
     def body():
         mesh = this_rank().mesh
@@ -160,12 +161,18 @@ def test_inplace_views_of_copied_views_write_back_or_refuse(ranks_for):
         base.t_()
         v.add_(torch.arange(28.0).view(4, 7))
         zeroed = zeroed and torch.equal(base.full_tensor(), ref)
-        one = distribute(torch.randn(1, 4), mesh, [Shard(0)]) * 1
+        # a size-1 dim one rank holds vanishes where it lies (the cut moves to the other dim)
+        g1 = torch.randn(1, 4, generator=torch.Generator().manual_seed(0))
+        one = distribute(g1, mesh, [Shard(0)]) * 1
+        one.squeeze_(0)
+        where = one.shape == (4,) and one.sharding.sizes_along(0) == (4, 0, 0)
+        where = where and torch.equal(one.full_tensor(), g1.squeeze(0))
+        lone = distribute(torch.randn(1), mesh, [Shard(0)]) * 1  # (no other dim to cut)
         try:
-            one.squeeze_(0)
+            lone.squeeze_(0)
             refused = None
         except NotImplementedError as exc:
             refused = "squeeze(" in str(exc)
-        return zeroed, refused
+        return zeroed, where, refused
 
-    assert ranks_for(3).run(body) == [(True, True)] * 3
+    assert ranks_for(3).run(body) == [(True, True, True)] * 3

@@ -89,7 +89,8 @@ def test_views_inside_inference_mode(ranks_for, world):
 def test_blocked_views_move_exactly_the_rows_that_change_owner(ranks_for):
     """(12, 2) cut [5, 7] viewed as (3, 4, 2): pieces must be multiples of 4; the
     cheapest fix moves row 4 to rank 1 (one row of 2 float64 = 16 bytes), no more.
-    A size-1 dim held by one rank that must vanish is sent by its owner only (3 floats)."""
+    A size-1 dim held by one rank that must vanish moves nothing: the cut moves to another
+    dim, all of it at that rank (it was sent by its owner to the other: 3 floats)."""
 
     def body():
         import shardlab
@@ -106,7 +107,7 @@ def test_blocked_views_move_exactly_the_rows_that_change_owner(ranks_for):
             torch.equal(y.full_tensor(), g.view(3, 4, 2)),
             y.sharding.sizes_along(0),
             sorted((e.kind, e.bytes, e.label) for e in t.events),
-            z.sharding.placements == (Replicate(),),
+            (z.sharding.placements, z.sharding.sizes_along(0)) == ((Shard(0),), (0, 3)),
             sorted((e.kind, e.bytes) for e in t2.events),
         )
 
@@ -114,7 +115,7 @@ def test_blocked_views_move_exactly_the_rows_that_change_owner(ranks_for):
     assert r0[0] and r0[1] == (1, 2) and r0[3]
     assert r0[2] == [("send", 16, "auto-redistribute for view")]
     assert r1[2] == [("recv", 16, "auto-redistribute for view")]
-    assert r0[4] == [("recv", 12)] and r1[4] == [("send", 12)]  # 3 float32
+    assert r0[4] == [] and r1[4] == []  # (the row told where it lies: rank 1 holds all 3)
 
 
 def test_writes_through_views_reach_the_base(ranks_for):
@@ -240,3 +241,48 @@ def test_the_gradient_of_a_select_comes_back_whole_and_moves_nothing(ranks_for, 
     for res in ranks_for(world).run(body):
         for name, (same, grad, layout, counts) in res.items():
             assert same and grad and layout and counts == {}, (name, layout, counts)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_row_of_a_cut_dim_stays_with_its_owner(ranks_for, world):
+    """``x[:, 0]`` (a ViT's class token), ``x[:, -1]`` and ``x[:, :1].reshape(B, D)`` of
+    tokens cut along the sequence: the row stays where it lies, its cut moved to the
+    batch dim with all of it at its owner (``Shard(0)`` sizes ``[B, 0, ..]``), no
+    message forward or backward; equal to torch, gradient too. On a (2, 2) mesh too, the
+    sequence cut by one mesh dim and the features by the other."""
+
+    def body():
+        import shardlab
+
+        g = torch.randn(3, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        calls = {
+            "x[:, 0]": lambda x: x[:, 0],
+            "x[:, -1]": lambda x: x[:, -1],
+            "x[:, :1].reshape": lambda x: x[:, :1].reshape(3, 4),
+        }
+        meshes = [
+            (this_rank().mesh, [Shard(1)], [{2: [5, 4], 3: [4, 0, 5], 4: [0, 3, 2, 4]}[world]])
+        ]
+        if world == 4:
+            meshes.append((this_rank().mesh_for((2, 2)), [Shard(1), Shard(2)], [[2, 7], [3, 1]]))
+        out = []
+        for mesh, places, sizes in meshes:
+            for name, fn in calls.items():
+                x = distribute(g, mesh, places, sizes).requires_grad_()
+                with shardlab.gathers("raise"), shardlab.trace() as t:
+                    y = fn(x)
+                    (y * 2).sum().backward()
+                ref = g.clone().requires_grad_()
+                (fn(ref) * 2).sum().backward()
+                row = y.sharding.placements[0], y.sharding.sizes_along(0)
+                same = torch.equal(y.full_tensor(), fn(g))
+                grad = torch.equal(x.grad.full_tensor(), ref.grad)
+                held = [q for q, n in enumerate(sizes[0]) if n]  # (who holds the row)
+                owner = held[-1] if name == "x[:, -1]" else held[0]
+                out.append((name, mesh.ndim, same, grad, row, owner, t.counts()))
+        return out
+
+    for res in ranks_for(world).run(body):
+        for name, ndim, same, grad, (place, sizes), owner, counts in res:
+            assert same and grad and counts == {}, (name, ndim, counts)
+            assert place == Shard(0) and sizes[owner] == 3 and sum(sizes) == 3, (name, sizes)

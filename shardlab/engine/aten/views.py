@@ -53,12 +53,56 @@ def _unblocked(x, rule, what: str, tries: int = 4):
     return x, rule(x._layout)
 
 
+def recut_where_it_lies(x, mesh_dims):
+    """``x`` as it is on every rank, its layout told another way, or None: a mesh dim of
+    ``mesh_dims`` whose cut leaves all of a dim at one coordinate cuts instead the first
+    dim no mesh dim cuts, all of it at that coordinate. No message: that rank's block is
+    the same, the others' are empty either way::
+
+        x[:, 0:1] (2, 1, 16) Shard(1) sizes [1, 0, 0]  ->  Shard(0) sizes [2, 0, 0]
+
+    so that the size-1 dim may vanish (``x[:, 0]``, a view) where it lies."""
+    lay = x._layout
+    if not lay.is_block() or any(isinstance(p, Partial) for p in lay.placements):
+        return None
+    cut = [p.dim if isinstance(p, Shard) else None for p in lay.placements]
+    for m in mesh_dims:
+        d = cut[m]
+        if d is None or cut.count(d) != 1:
+            continue
+        held = [q for q, n in enumerate(lay.shard_sizes(m)) if n]
+        free = [f for f in range(x.ndim) if f != d and f not in cut]
+        if len(held) != 1 or not free:
+            continue
+        places = list(lay.placements)
+        places[m] = Shard(free[0])
+        sizes = [lay.sizes_arg(k) for k in range(len(places))]
+        sizes[m] = [x.shape[free[0]] if q == held[0] else 0 for q in range(lay.mesh_shape[m])]
+        new = ShardLayout.build(tuple(x.shape), lay.mesh_shape, places, sizes)
+        coord = c.me(x.device_mesh)
+        local = x._local_tensor  # the owner's block; the others' empty: any shape views it
+        if coord[m] != held[0]:
+            local = local.view(new.local_shape(coord))
+        return c.wrap(local, x.device_mesh, new)
+    return None
+
+
 def view_to(x, shape, what: str = "view", copy: bool = False):
     """``x`` viewed as ``shape`` (a ShardTensor), moving it first only if it must. If it
     had to (or the block was not viewable), the result writes back into ``x``."""
     shape = _resolve(shape, x.numel())
     base = x
     out = _whole_view(x._layout, shape, x.device_mesh)
+    if out is None:
+        try:
+            out = view_layout(x._layout, shape)
+        except Blocked as b:  # a dim one rank holds, to vanish: told where it lies
+            told = recut_where_it_lies(x, b.mesh_dims)
+            try:
+                out = None if told is None else view_layout(told._layout, shape)
+                x = base = told if out is not None else x  # (its blocks are x's)
+            except Blocked:
+                pass
     if out is None:
         x, out = _unblocked(x, lambda lay: view_layout(lay, shape), what)
     local_shape = out.local_shape(c.me(x.device_mesh))
