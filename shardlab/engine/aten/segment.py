@@ -52,26 +52,17 @@ def segment_reduce(func, args, kwargs):
         return NotImplemented
     if reduce not in ("max", "min", "sum", "mean") or type(data) is not c.ShardTensor:
         return NotImplemented
-    given = lengths if lengths is not None else offsets
-    if given is None or given.ndim != 1 or (type(given) is c.ShardTensor
-                                             and not given._layout.is_whole()):  # fmt: skip
+    got = _my_segments(data, lengths, offsets)  # 1.
+    if got is None:
         return NotImplemented
+    lengths, mine, dtype = got
     lay, mesh = data._layout, data.device_mesh
-    if not lay.is_block() or any(isinstance(p, Partial) for p in lay.placements):
-        return NotImplemented
-    whole = c.local(given).long()
-    lengths = whole if lengths is not None else whole.diff()
-    ends = lengths.cumsum(0)
-    starts = ends - lengths
     coord = c.me(mesh)
-    lo, hi = lay.local_box(coord)[0]
-    mine = torch.minimum(ends, torch.tensor(hi)) - torch.maximum(starts, torch.tensor(lo))
-    mine = mine.clamp_min(0)  # 1.
     cut0 = [k for k, p in enumerate(lay.placements) if isinstance(p, Shard) and p.dim == 0
             and lay.mesh_shape[k] > 1]  # fmt: skip
     first = all(coord[k] == 0 for k in cut0)
     initial = kw.get("initial")
-    local_kw = {"lengths": mine.to(given.dtype), "unsafe": kw.get("unsafe", False)}
+    local_kw = {"lengths": mine.to(dtype), "unsafe": kw.get("unsafe", False)}
     if reduce in ("max", "min"):
         if initial is not None:
             local_kw["initial"] = initial
@@ -90,11 +81,29 @@ def segment_reduce(func, args, kwargs):
             else:
                 y = torch.where(length > 0, y / length.clamp_min(1), 0.0)
         summed = Partial("sum")
-    places = [summed if k in cut0 else (p if isinstance(p, Shard) and p.dim else Replicate())
-              for k, p in enumerate(lay.placements)]  # fmt: skip
-    sizes = [lay.sizes_arg(k) if isinstance(p, Shard) else None for k, p in enumerate(places)]
-    shape = (len(lengths), *data.shape[1:])
-    return c.wrap(y, mesh, ShardLayout.build(shape, tuple(mesh.shape), places, sizes))
+    out = _whole_along_segments(lay, (len(lengths), *data.shape[1:]))
+    places = [summed if k in cut0 else p for k, p in enumerate(out.placements)]
+    return c.wrap(y, mesh, out.replace(placements=tuple(places)))
+
+
+def _my_segments(data, lengths, offsets):
+    """``(lengths (S,), mine (S,), dtype)``: every segment's whole length, how many of
+    each segment's rows this rank holds, and the dtype the lengths came in; or None where
+    ``data`` is not a block cut of rows (no Partial) or the lengths (offsets) are not
+    whole and 1-D. No message: the lengths are whole on every rank."""
+    given = lengths if lengths is not None else offsets
+    if given is None or given.ndim != 1 or (type(given) is c.ShardTensor
+                                             and not given._layout.is_whole()):  # fmt: skip
+        return None
+    lay = data._layout
+    if not lay.is_block() or any(isinstance(p, Partial) for p in lay.placements):
+        return None
+    whole = c.local(given).long()
+    lengths = whole if lengths is not None else whole.diff()
+    ends = lengths.cumsum(0)
+    lo, hi = lay.local_box(c.me(data.device_mesh))[0]
+    mine = torch.minimum(ends, torch.tensor(hi)) - torch.maximum(ends - lengths, torch.tensor(lo))
+    return lengths, mine.clamp_min(0), given.dtype
 
 
 def _whole_along_segments(lay: ShardLayout, shape) -> ShardLayout:
@@ -122,26 +131,18 @@ def segment_reduce_backward(func, args, kwargs):
         return NotImplemented
     if type(data) is not c.ShardTensor or not isinstance(grad, torch.Tensor):
         return NotImplemented
-    given = lengths if lengths is not None else offsets
-    if given is None or given.ndim != 1 or (type(given) is c.ShardTensor
-                                             and not given._layout.is_whole()):  # fmt: skip
-        return NotImplemented
     lay, mesh = data._layout, data.device_mesh
-    if not lay.is_block() or any(isinstance(p, Partial) for p in lay.placements):
-        return NotImplemented
     if any(type(t) is c.ShardTensor and t.device_mesh != mesh for t in (grad, out)):
         return NotImplemented
-    whole = c.local(given).long()
-    lengths = whole if lengths is not None else whole.diff()
+    got = _my_segments(data, lengths, offsets)
+    if got is None:
+        return NotImplemented
+    lengths, mine, _ = got
     if int(lengths.sum()) != data.shape[0] or (lengths < 0).any():
         return NotImplemented  # (torch's own error, from the fallback)
     want = _whole_along_segments(lay, (len(lengths), *data.shape[1:]))
     cause = "segment_reduce backward"
     g = _block(grad, mesh, want, cause)  # 1. (S, *inner_local)
-    ends = lengths.cumsum(0)
-    lo, hi = lay.local_box(c.me(mesh))[0]
-    mine = (torch.minimum(ends, torch.tensor(hi)) - torch.maximum(ends - lengths,
-            torch.tensor(lo))).clamp_min(0)  # fmt: skip
     seg = torch.repeat_interleave(torch.arange(len(lengths)), mine)  # (rows_local,)
     rows = g[seg]  # 2. (rows_local, *inner_local): each row its segment's gradient
     if reduce == "sum":
