@@ -70,6 +70,15 @@ def move(x, layout: ShardLayout, cause: str):
     return ShardTensor._wrap(out, x.device_mesh, layout)
 
 
+def block_in(t, mesh, layout: ShardLayout, cause: str, partial: str | None = None):
+    """This rank's block of ``t`` laid out as ``layout``: a ShardTensor moved there (its
+    Partial first summed, labelled ``partial``, where given), a plain tensor (whole on
+    every rank) sliced to it, no message."""
+    if not isinstance(t, ShardTensor):
+        return t[tuple(slice(lo, hi) for lo, hi in layout.local_box(me(mesh)))]
+    return move(reduced(t, partial) if partial else t, layout, cause)._local_tensor
+
+
 def without_partial(layout: ShardLayout, mesh_dims=None) -> ShardLayout:
     """``layout`` with its Partial mesh dims (or only ``mesh_dims``) made Replicate."""
     places = tuple(

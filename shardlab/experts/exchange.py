@@ -83,11 +83,16 @@ def summed(param: torch.Tensor, group, cause: str = "experts.replicated") -> tor
     (a process group, or a list of them: one after the other): kept for the one all-reduce
     at the end of the backward where torch allows it (a leaf parameter,
     :func:`shardlab.tensor.grad_sum.keep`), else all-reduced at once, labelled ``cause``."""
-    groups = list(group) if isinstance(group, (list, tuple)) else [group]
-    groups = [g for g in groups if dist.get_world_size(g) > 1]
+    groups = _sending(group)
     if not (torch.is_grad_enabled() and param.requires_grad) or not groups:
         return param
     return _Summed.apply(param, groups, cause)
+
+
+def _sending(group) -> list:
+    """``group`` (a process group, or a list of them): those of more than one rank."""
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
+    return [g for g in groups if dist.get_world_size(g) > 1]
 
 
 @fenced
@@ -114,8 +119,7 @@ def summed_together(params, group, cause: str) -> list:
     gradients, flattened into one buffer, as they all arrive in the backward (per dtype,
     where they differ). For blocks that are not leaves (a ShardTensor parameter's local
     block), which the end-of-backward sum cannot keep."""
-    groups = list(group) if isinstance(group, (list, tuple)) else [group]
-    groups = [g for g in groups if dist.get_world_size(g) > 1]
+    groups = _sending(group)
     if not (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or not groups:
         return list(params)
     return list(_SummedTogether.apply(groups, cause, *params))

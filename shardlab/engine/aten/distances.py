@@ -100,9 +100,7 @@ def cdist_backward(func, args, kwargs):
     want = ShardLayout.build(tuple(dist.shape), tuple(mesh.shape), places, sizes)
 
     def block(t, cause):
-        if type(t) is not c.ShardTensor:
-            return t[tuple(slice(lo, hi) for lo, hi in want.local_box(c.me(mesh)))]
-        return c.move(c.reduced(t, cause), want, cause)._local_tensor
+        return c.block_in(t, mesh, want, cause, partial=cause)
 
     g = block(grad, "cdist_backward.align")
     dd = block(dist, "cdist_backward.align")

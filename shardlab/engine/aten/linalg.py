@@ -175,10 +175,7 @@ def lstsq(func, args, kwargs):
         return NotImplemented
     a, m = got
     want = _layout(a, b.shape, rows, m)  # B's rows cut as A's
-    if plain:
-        block = b[tuple(slice(lo, hi) for lo, hi in want.local_box(c.me(a.device_mesh)))]
-    else:
-        block = c.move(c.reduced(b, "lstsq.partial"), want, "lstsq.align")._local_tensor
+    block = c.block_in(b, a.device_mesh, want, "lstsq.align", partial="lstsq.partial")
     rhs = block.unsqueeze(-1) if vector else block
     t = TSQR(a, m, "lstsq", extra=(rhs,), signs=False)
     out = torch.linalg.lstsq(t.r_s, t.extra[0], rcond=kw["rcond"], driver=kw["driver"])

@@ -113,15 +113,6 @@ def _whole_along_segments(lay: ShardLayout, shape) -> ShardLayout:
     return ShardLayout.build(tuple(shape), lay.mesh_shape, places, sizes)
 
 
-def _block(t, mesh, layout: ShardLayout, cause: str) -> torch.Tensor:
-    """This rank's block of ``t`` (a ShardTensor moved to ``layout``; a plain tensor, whole,
-    sliced to it: no message)."""
-    if type(t) is c.ShardTensor:
-        return c.move(t, layout, cause)._local_tensor
-    box = layout.local_box(c.me(mesh))
-    return t[tuple(slice(lo, hi) for lo, hi in box)]
-
-
 @register(aten._segment_reduce_backward.default)
 def segment_reduce_backward(func, args, kwargs):
     kw = c.schema_args(func, args, kwargs)
@@ -142,7 +133,7 @@ def segment_reduce_backward(func, args, kwargs):
         return NotImplemented  # (torch's own error, from the fallback)
     want = _whole_along_segments(lay, (len(lengths), *data.shape[1:]))
     cause = "segment_reduce backward"
-    g = _block(grad, mesh, want, cause)  # 1. (S, *inner_local)
+    g = c.block_in(grad, mesh, want, cause)  # 1. (S, *inner_local)
     seg = torch.repeat_interleave(torch.arange(len(lengths)), mine)  # (rows_local,)
     rows = g[seg]  # 2. (rows_local, *inner_local): each row its segment's gradient
     if reduce == "sum":
@@ -151,7 +142,7 @@ def segment_reduce_backward(func, args, kwargs):
         return c.wrap(rows / lengths[seg].to(rows.dtype).reshape(-1, *[1] * (rows.ndim - 1)),
                       mesh, lay)  # fmt: skip
     x = data._local_tensor
-    o = _block(out, mesh, want, cause)  # 3. (S, *inner_local)
+    o = c.block_in(out, mesh, want, cause)  # 3. (S, *inner_local)
     hit = torch.isnan(x) | (x == o[seg])
     count = torch.zeros_like(g).index_add_(0, seg, hit.to(g.dtype))  # this rank's ties
     cut0 = [k for k, p in enumerate(lay.placements) if isinstance(p, Shard) and p.dim == 0]

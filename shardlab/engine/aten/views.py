@@ -10,6 +10,8 @@ cheapest layout that works, labelled ``auto-redistribute for <op>`` in the trace
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import Partial, Shard
 
@@ -53,7 +55,7 @@ def _unblocked(x, rule, what: str, tries: int = 4):
     return x, rule(x._layout)
 
 
-def recut_where_it_lies(x, mesh_dims):
+def _recut_where_it_lies(x, mesh_dims):
     """``x`` as it is on every rank, its layout told another way, or None: a mesh dim of
     ``mesh_dims`` whose cut leaves all of a dim at one coordinate cuts instead the first
     dim no mesh dim cuts, all of it at that coordinate. No message: that rank's block is
@@ -97,12 +99,11 @@ def view_to(x, shape, what: str = "view", copy: bool = False):
         try:
             out = view_layout(x._layout, shape)
         except Blocked as b:  # a dim one rank holds, to vanish: told where it lies
-            told = recut_where_it_lies(x, b.mesh_dims)
-            try:
-                out = None if told is None else view_layout(told._layout, shape)
-                x = base = told if out is not None else x  # (its blocks are x's)
-            except Blocked:
-                pass
+            told = _recut_where_it_lies(x, b.mesh_dims)
+            if told is not None:
+                with contextlib.suppress(Blocked):
+                    out = view_layout(told._layout, shape)
+                    x = base = told  # (its blocks are x's)
     if out is None:
         x, out = _unblocked(x, lambda lay: view_layout(lay, shape), what)
     local_shape = out.local_shape(c.me(x.device_mesh))
